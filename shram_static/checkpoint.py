@@ -1,0 +1,73 @@
+"""Checkpoint I/O: `config.json` + `model.safetensors` in the original layout (SPEC A.2)."""
+
+import json
+import os
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .config import ShramConfig
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded: the message says which file or key."""
+
+
+def expected_shapes(model) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of every tensor a checkpoint of `model` holds (tied lm_head excluded)."""
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def load_pretrained(cls, path, dtype: torch.dtype = torch.float32):
+    """See `ShramForCausalLM.from_pretrained`."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+    for f in (CONFIG_FILE, WEIGHTS_FILE):
+        if not os.path.isfile(os.path.join(path, f)):
+            raise FileNotFoundError(f"checkpoint directory {path!r} has no {f}")
+    try:
+        config = ShramConfig.from_json_file(os.path.join(path, CONFIG_FILE))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{os.path.join(path, CONFIG_FILE)} is not valid JSON: {e}") from e
+    try:
+        sd = load_file(os.path.join(path, WEIGHTS_FILE))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{os.path.join(path, WEIGHTS_FILE)} is not a readable safetensors file: {e}") from e
+    with torch.device("meta"):
+        model = cls(config)
+    want = expected_shapes(model)
+    missing = sorted(set(want) - set(sd))
+    extra = sorted(set(sd) - set(want))
+    wrong = sorted(f"{k}: file {tuple(sd[k].shape)}, expected {want[k]}"
+                   for k in set(want) & set(sd) if tuple(sd[k].shape) != want[k])
+    bad_dtype = sorted(f"{k}: {sd[k].dtype}" for k in sd if sd[k].dtype not in LOADABLE_DTYPES)
+    problems = []
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if extra:
+        problems.append(f"unexpected keys {extra}")
+    if wrong:
+        problems.append(f"misshapen keys {wrong}")
+    if bad_dtype:
+        problems.append(f"keys of unsupported dtype (need fp32, bf16 or fp16) {bad_dtype}")
+    if problems:
+        raise CheckpointError(f"{os.path.join(path, WEIGHTS_FILE)} does not match its config.json: "
+                              + "; ".join(problems))
+    model = cls(config)  # real tensors (rope tables, init) then overwritten by the file
+    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True)
+    return model.to(dtype).eval()
+
+
+def save_pretrained(model, path) -> None:
+    """See `ShramForCausalLM.save_pretrained`."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    model.config.to_json_file(os.path.join(path, CONFIG_FILE))
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(sd, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})

@@ -1,0 +1,117 @@
+"""Parameter-holding modules of one SHRAM decoder layer, named as in the checkpoint (SPEC A.2).
+
+They hold weights and the position-free math (norms, projections, MLP). Attention over a
+sequence lives in `model.py` (uncached forward) and `step.py` (static prefill/decode), which
+call these modules with explicit tensors.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ShramConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d: int, f: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LocalAttention(nn.Module):
+    """Sliding-window multi-head attention weights: H heads of width u."""
+
+    def __init__(self, config: ShramConfig):
+        super().__init__()
+        d, hu = config.embedding_width, config.num_sliding_window_heads * config.head_dim
+        self.num_heads, self.head_dim = config.num_sliding_window_heads, config.head_dim
+        self.q_proj = nn.Linear(d, hu, bias=False)
+        self.k_proj = nn.Linear(d, hu, bias=False)
+        self.v_proj = nn.Linear(d, hu, bias=False)
+        self.o_proj = nn.Linear(hu, d, bias=False)
+
+    def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, C, d) -> q, k, v each (B, H, C, u)."""
+        B, C, _ = h.shape
+        split = lambda t: t.view(B, C, self.num_heads, self.head_dim).transpose(1, 2)
+        return split(self.q_proj(h)), split(self.k_proj(h)), split(self.v_proj(h))
+
+    def out(self, y: torch.Tensor) -> torch.Tensor:
+        """(B, H, C, u) -> (B, C, d)."""
+        B, H, C, u = y.shape
+        return self.o_proj(y.transpose(1, 2).reshape(B, C, H * u))
+
+
+class Router(nn.Module):
+    def __init__(self, config: ShramConfig):
+        super().__init__()
+        self.routing_weight = nn.Parameter(torch.empty(config.num_mosrah_heads, config.embedding_width))
+
+
+class BEA(nn.Module):
+    """Expert-head weights of the sparse path: one (d, u) matrix per expert and projection."""
+
+    def __init__(self, config: ShramConfig):
+        super().__init__()
+        L, d, u = config.num_mosrah_heads, config.embedding_width, config.head_dim
+        self.q_proj = nn.Parameter(torch.empty(L, d, u))
+        self.k_proj = nn.Parameter(torch.empty(L, d, u))
+        self.v_proj = nn.Parameter(torch.empty(L, d, u))
+        self.o_proj = nn.Parameter(torch.empty(L, u, d))
+
+
+class MoSRAH(nn.Module):
+    def __init__(self, config: ShramConfig):
+        super().__init__()
+        self.router = Router(config)
+        self.bea = BEA(config)
+
+
+class HybridAttention(nn.Module):
+    def __init__(self, config: ShramConfig):
+        super().__init__()
+        self.local_attention = LocalAttention(config)
+        self.sparse_attention = MoSRAH(config)
+
+
+class DecoderLayer(nn.Module):
+    """Weights of one layer; `forward` applies the pre-norm residual structure around a given
+    attention function: a = x + g_attn * attn(norm(x)); x = a + g_mlp * mlp(norm(a))."""
+
+    def __init__(self, config: ShramConfig):
+        super().__init__()
+        d = config.embedding_width
+        self.attn_norm = RMSNorm(d, config.rms_norm_eps)
+        self.mlp_norm = RMSNorm(d, config.rms_norm_eps)
+        self.attention = HybridAttention(config)
+        self.mlp = SwiGLU(d, config.mlp_width)
+        if config.use_residual_gate:
+            self.attn_residual_scale = nn.Parameter(torch.ones(1))
+            self.mlp_residual_scale = nn.Parameter(torch.ones(1))
+        else:
+            fixed = torch.full((1,), 1.0 / math.sqrt(config.num_decoder_layers))
+            self.register_buffer("attn_residual_scale", fixed.clone())
+            self.register_buffer("mlp_residual_scale", fixed.clone())
+
+    def forward(self, x: torch.Tensor, attn) -> torch.Tensor:
+        a = x + self.attn_residual_scale * attn(self.attn_norm(x))
+        return a + self.mlp_residual_scale * self.mlp(self.mlp_norm(a))

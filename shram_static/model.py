@@ -1,0 +1,192 @@
+"""`ShramForCausalLM`: SHRAM weights and the uncached full forward (SPEC A.3-A.7)."""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .attention import masked_attention
+from .config import ShramConfig
+from .layers import DecoderLayer, RMSNorm
+from .rope import RotaryTables, apply_rope
+from .routing import route
+
+
+@dataclass
+class CausalLMOutput:
+    """logits: (B, N, V). selected_heads: (layers, B, N, K), -1 at dead tokens."""
+
+    logits: torch.Tensor
+    selected_heads: torch.Tensor | None = None
+
+
+class ShramModel(nn.Module):
+    def __init__(self, config: ShramConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_decoder_layers))
+        self.norm = RMSNorm(config.embedding_width, config.rms_norm_eps)
+
+
+def check_input_ids(input_ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
+    """Raises TypeError/ValueError unless input_ids is an integer tensor with ids in [0, V)."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
+    if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise TypeError(f"{name} must hold integer token ids (int64), got dtype {input_ids.dtype}")
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+        bad = input_ids[(input_ids < 0) | (input_ids >= vocab_size)]
+        raise ValueError(f"{name} holds ids outside the vocabulary [0, {vocab_size}): "
+                         f"{bad[:8].tolist()}")
+
+
+def check_mask(mask: torch.Tensor | None, shape: torch.Size, name: str = "attention_mask") -> torch.Tensor | None:
+    """Validates a 0/1 mask of the given shape and returns it as bool (None stays None)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.shape != shape:
+        raise ValueError(f"{name} must have the shape of the ids {tuple(shape)}, got {tuple(mask.shape)}")
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise TypeError(f"{name} must be bool or integer 0/1, got dtype {mask.dtype}")
+    if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError(f"{name} must hold only 0 and 1")
+    return mask.bool()
+
+
+class ShramForCausalLM(nn.Module):
+    """SHRAM decoder-only language model with the checkpoint layout of the original code.
+
+    Args:
+        config: the model's `ShramConfig`. Weights are initialised as the original does
+            (normal(0, 0.02) projections, unit norms and residual gates).
+    """
+
+    def __init__(self, config: ShramConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.embedding_width)
+        self.model = ShramModel(config)
+        self.rope = RotaryTables(config)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.embedding_width, config.vocab_size, bias=False)
+        self._init_weights()
+        self.eval()
+
+    def _init_weights(self, std: float = 0.02) -> None:
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight") or name.endswith("residual_scale"):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, std)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """(V, d) lm_head matrix (the embedding when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and lm_head: (..., d) -> (..., V)."""
+        return self.model.norm(x) @ self.output_weight.t()
+
+    # -- checkpoint I/O lives in checkpoint.py; these are the HF-style entry points --------
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype = torch.float32) -> "ShramForCausalLM":
+        """Loads a checkpoint directory (`config.json` + `model.safetensors`), eval mode.
+
+        Args:
+            path: directory written by the original SHRAM code or by `save_pretrained`.
+            dtype: parameter dtype after loading (fp32, bf16 or fp16 files are cast to it).
+
+        Returns:
+            The model. Raises CheckpointError naming any missing, unexpected or misshapen key.
+        """
+        from .checkpoint import load_pretrained
+        return load_pretrained(cls, path, dtype)
+
+    def save_pretrained(self, path) -> None:
+        """Writes `config.json` and `model.safetensors` (tied embeddings stored once)."""
+        from .checkpoint import save_pretrained
+        save_pretrained(self, path)
+
+    # -- uncached forward -------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                output_routing: bool = False) -> CausalLMOutput:
+        """Full uncached forward over a batch of token streams.
+
+        Args:
+            input_ids: (B, N) token ids.
+            attention_mask: (B, N) 1 for live tokens, 0 for dead ones (no-ops); default all live.
+            output_routing: also return the selected experts per layer.
+
+        Returns:
+            CausalLMOutput with logits (B, N, V) (unspecified at dead positions) and, when
+            asked, selected_heads (layers, B, N, K), -1 at dead positions.
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError("input_ids must be a (batch, length) tensor, got "
+                             f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+        check_input_ids(input_ids, self.config.vocab_size)
+        live = check_mask(attention_mask, input_ids.shape)
+        if live is None:
+            live = torch.ones_like(input_ids, dtype=torch.bool)
+        live = live.to(input_ids.device)
+        return self._forward(input_ids.long(), live, output_routing)
+
+    def _forward(self, ids: torch.Tensor, live: torch.Tensor, output_routing: bool) -> CausalLMOutput:
+        cfg = self.config
+        B, N = ids.shape
+        pos = (live.long().cumsum(1) - 1).clamp(min=0)  # (B, N) position of each live token
+        x = self.embed_tokens(ids)  # (B, N, d)
+        start = torch.zeros(B, dtype=torch.long, device=ids.device)
+        taken = torch.zeros(B, cfg.num_mosrah_heads, dtype=torch.bool, device=ids.device)
+        # Local visibility: live key j with pos_t - window < pos_j <= pos_t (causal in raw order).
+        tri = torch.ones(N, N, dtype=torch.bool, device=ids.device).tril()
+        dp = pos[:, :, None] - pos[:, None, :]  # (B, N, N)
+        local_mask = tri & live[:, None, :] & (dp < cfg.window_size) & (dp >= 0)
+        cos_l, sin_l = self.rope.local(pos)  # (B, N, u)
+        routing = []
+        for layer in self.model.layers:
+            def attn(h, layer=layer):
+                la = layer.attention.local_attention
+                q, k, v = la.qkv(h)  # (B, H, N, u)
+                q = apply_rope(q, cos_l[:, None], sin_l[:, None])
+                k = apply_rope(k, cos_l[:, None], sin_l[:, None])
+                y = la.out(masked_attention(q, k, v, local_mask[:, None], 1 / math.sqrt(cfg.head_dim)))
+                sa = layer.attention.sparse_attention
+                idx, P, _ = route(h, sa.router.routing_weight, live, start, taken, cfg.num_selected_heads)
+                routing.append(torch.where(live[..., None], idx, -1))
+                return y + self._mosrah_dense(sa.bea, h, live, pos, idx, P, tri)
+            x = layer(x, attn)
+        out = CausalLMOutput(self.logits(x))
+        if output_routing:
+            out.selected_heads = torch.stack(routing)
+        return out
+
+    def _mosrah_dense(self, bea, h, live, pos, idx, P, tri) -> torch.Tensor:
+        """Sparse path over a whole sequence, computing every expert and masking by selection.
+
+        Dense over all L experts: simple and exact for the uncached forward; the static steps
+        touch only the K selected experts.
+        """
+        cfg = self.config
+        L = cfg.num_mosrah_heads
+        sel = (idx[..., None] == torch.arange(L, device=h.device)).any(-2) & live[..., None]  # (B, N, L)
+        w = (sel.to(h.dtype) * 0).scatter_add(-1, idx, P * live[..., None].to(P.dtype))  # (B, N, L)
+        q = torch.einsum("bnd,ldu->blnu", h, bea.q_proj)  # (B, L, N, u)
+        k = torch.einsum("bnd,ldu->blnu", h, bea.k_proj)
+        v = torch.einsum("bnd,ldu->blnu", h, bea.v_proj)
+        selT = sel.transpose(1, 2)  # (B, L, N)
+        if cfg.rope_mode == "main_sequence":
+            r = pos[:, None, :].expand_as(selT)
+        else:
+            r = (selT.long().cumsum(-1) - 1).clamp(min=0)  # index of the token in S_l
+        cos, sin = self.rope.sparse(r)  # (B, L, N, u)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = tri & selT[..., :, None] & selT[..., None, :]  # (B, L, N, N)
+        y = masked_attention(q, k, v, mask, self.rope.sparse_factor / math.sqrt(cfg.head_dim))
+        return torch.einsum("blnu,lud,bnl->bnd", y, bea.o_proj, w)

@@ -1,0 +1,98 @@
+"""Rotary position embeddings: plain RoPE for the local path, YaRN for the sparse path (SPEC A.7)."""
+
+import math
+
+import torch
+from torch import nn
+
+from .config import ShramConfig
+
+
+def rope_frequencies(head_dim: int, base: float) -> torch.Tensor:
+    """Returns theta_i = base^(-2i/u), i = 0..u/2-1, in fp32.  # (u/2,)"""
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def yarn_frequencies(head_dim: int, base: float, train_range: float, s: float,
+                     alpha: float, beta: float) -> torch.Tensor:
+    """YaRN-interpolated frequencies theta'_i (SPEC A.7).
+
+    Args:
+        head_dim: u.
+        base: RoPE base b.
+        train_range: C, the training range of the positions being rotated.
+        s: context extension factor C_target / C_train (1 gives plain RoPE).
+        alpha, beta: ramp bounds.
+
+    Returns:
+        (u/2,) fp32 frequencies.
+    """
+    theta = rope_frequencies(head_dim, base)
+    r = train_range * theta / (2 * math.pi)
+    gamma = ((r - alpha) / (beta - alpha)).clamp(0.0, 1.0)
+    return (1 - gamma) * theta / s + gamma * theta
+
+
+def yarn_attention_factor(s: float) -> float:
+    """A = (0.1 ln s + 1)^2; 1 when s = 1."""
+    return (0.1 * math.log(s) + 1.0) ** 2 if s > 1 else 1.0
+
+
+def cos_sin_table(freqs: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables for positions 0..length-1, duplicated over both halves ("rotate half").
+
+    Returns:
+        cos, sin: (length, u) fp32.
+    """
+    t = torch.arange(length, dtype=torch.int64).float()
+    ang = torch.outer(t, freqs)  # (length, u/2)
+    ang = torch.cat([ang, ang], dim=-1)  # (length, u)
+    return ang.cos(), ang.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates x (..., u) by per-position tables cos/sin broadcastable to x."""
+    return x * cos + rotate_half(x) * sin
+
+
+class RotaryTables(nn.Module):
+    """Non-persistent cos/sin tables of both paths, covering every position the capacity allows.
+
+    Positions are clamped into the table when looked up, so a graph called with an
+    out-of-range position never indexes out of bounds (its output is then meaningless, and
+    the host-side wrapper never lets that happen).
+    """
+
+    def __init__(self, config: ShramConfig):
+        super().__init__()
+        u = config.head_dim
+        n = max(config.inference_sequence_length, config.mosrah_cache_length)
+        cos, sin = cos_sin_table(rope_frequencies(u, config.local_rope_theta), n)
+        self.register_buffer("local_cos", cos, persistent=False)
+        self.register_buffer("local_sin", sin, persistent=False)
+        if config.rope_mode == "main_sequence":
+            train_range = config.training_sequence_length
+        else:
+            train_range = config.mosrah_packed_length
+        freqs = yarn_frequencies(u, config.mosrah_rope_theta, train_range, config.scale,
+                                 config.alpha, config.beta)
+        cos, sin = cos_sin_table(freqs, n)
+        self.register_buffer("sparse_cos", cos, persistent=False)
+        self.register_buffer("sparse_sin", sin, persistent=False)
+        self.sparse_factor = yarn_attention_factor(config.scale)
+        self.length = n
+
+    def local(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at integer positions pos (...) -> (..., u)."""
+        pos = pos.clamp(0, self.length - 1)
+        return self.local_cos[pos], self.local_sin[pos]
+
+    def sparse(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """YaRN cos, sin at integer positions pos (...) -> (..., u)."""
+        pos = pos.clamp(0, self.length - 1)
+        return self.sparse_cos[pos], self.sparse_sin[pos]

@@ -1,0 +1,81 @@
+"""MoSRAH routing: entmax scores and block-balanced top-K selection (SPEC A.6).
+
+One solver serves the uncached forward (a whole sequence from position 0), the prefill step
+(a chunk that may start mid-block, carrying the experts already taken) and the decode step
+(a chunk of one token). It has no per-token Python loop: it loops over the W = L/K steps of
+a routing block (a static Python int), handling the same step of every block at once.
+"""
+
+import torch
+
+from .entmax import entmax12
+
+
+def block_select(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken: torch.Tensor,
+                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-balanced selection of K experts per live token.
+
+    A row's live tokens form blocks of W = L/K tokens counted from the row's first live
+    token. The token at step s of its block takes the top-K logits among the experts not
+    taken by steps 0..s-1 of the same block.
+
+    Args:
+        z: router logits (B, C, L), fp32.
+        live: (B, C) bool, live tokens of the chunk.
+        start: (B,) int64, live tokens of each row before this chunk.
+        taken: (B, L) bool, experts taken in the block that is open at `start` (the caller
+            passes all False when `start % W == 0`: no block is open then).
+        k: K, experts per token.
+
+    Returns:
+        idx: (B, C, K) int64 experts in top-k order (0 at dead tokens).
+        taken_out: (B, L) bool, experts taken in the block open after the chunk.
+    """
+    B, C, L = z.shape
+    W = L // k
+    nb = (W + C - 2) // W + 1  # blocks a chunk of C tokens can touch
+    rank = live.long().cumsum(1) - 1  # (B, C) live tokens before each token in the chunk
+    off = (start % W)[:, None]  # (B, 1)
+    g = off + rank  # frame index, block 0 starting at the carried block's first slot
+    blk = (g // W).clamp(0, nb - 1)  # (B, C)
+    step = torch.where(blk == 0, rank, g % W)  # solver iteration that handles each token
+    blk_oh = (blk[..., None] == torch.arange(nb, device=z.device)).to(z.dtype)  # (B, C, nb)
+    taken_blk = torch.cat([taken[:, None].to(z.dtype),
+                           z.new_zeros(B, nb - 1, L)], dim=1)  # (B, nb, L)
+    ar = torch.arange(L, device=z.device)
+    idx = torch.zeros(B, C, k, dtype=torch.long, device=z.device)
+    for i in range(min(C, W)):
+        act = live & (step == i)  # (B, C): at most one token per block
+        tk = torch.bmm(blk_oh, taken_blk)  # (B, C, L) experts taken in each token's block
+        top = torch.where(tk > 0.5, float("-inf"), z).topk(k, dim=-1).indices  # (B, C, K)
+        idx = torch.where(act[..., None], top, idx)
+        sel = (top[..., None] == ar).any(-2) & act[..., None]  # (B, C, L)
+        taken_blk = taken_blk + torch.bmm(blk_oh.transpose(1, 2), sel.to(z.dtype))
+    n = live.long().sum(1)  # (B,)
+    last = ((off[:, 0] + n - 1) // W).clamp(0, nb - 1)  # block of the last live token
+    last_oh = (last[:, None] == torch.arange(nb, device=z.device)).to(z.dtype)  # (B, nb)
+    out = torch.bmm(last_oh[:, None], taken_blk)[:, 0] > 0.5  # (B, L)
+    has = (n > 0)[:, None]
+    # bool logic instead of where: onnxruntime has no Where kernel for bool (TOOLCHAIN_NOTES).
+    taken_out = (out & has) | (taken & ~has)
+    return idx, taken_out
+
+
+def route(h: torch.Tensor, routing_weight: torch.Tensor, live: torch.Tensor, start: torch.Tensor,
+          taken: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router of one layer: logits, entmax scores, block-balanced selection and weights.
+
+    Args:
+        h: normed hidden states (B, C, d).
+        routing_weight: (L, d).
+        live, start, taken, k: as in `block_select`.
+
+    Returns:
+        idx: (B, C, K) selected experts; P: (B, C, K) weights in h's dtype; taken_out: (B, L).
+    """
+    z = (h @ routing_weight.t()).float()  # (B, C, L)
+    scores = entmax12(z)
+    idx, taken_out = block_select(z, live, start, taken, k)
+    ps = scores.gather(-1, idx)  # (B, C, K)
+    P = ps / ps.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    return idx, P.to(h.dtype), taken_out

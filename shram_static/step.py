@@ -1,0 +1,164 @@
+"""The static step: C tokens per row over fixed-shape state (SPEC B).
+
+`step` is the single code path of both the decode step (C = 1) and the prefill step
+(C = prefill_chunk). It has no Python branch on tensor data, no host read-back, no
+data-dependent shape, and writes state only with `index_put` at computed 1-D row indices
+(dead tokens and overflowing slots write to sink rows that are never read). With
+`inplace=True` it mutates the given buffers (eager, torch.compile, torch.export/ExecuTorch);
+with `inplace=False` it returns new tensors instead (a pure function for ONNX, whose exporter
+silently drops in-place buffer mutations). Every read of a state tensor happens after its
+write, so onnxruntime may alias each output state to its input.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+from .attention import masked_attention
+from .rope import apply_rope
+from .routing import route
+from .state import LAYER_BUFFERS, StaticState
+
+
+def _write(buf: torch.Tensor, rows: torch.Tensor, vals: torch.Tensor, inplace: bool) -> torch.Tensor:
+    if inplace:
+        return buf.index_put_((rows,), vals)
+    return buf.index_put((rows,), vals)
+
+
+def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torch.Tensor,
+         live: torch.Tensor, ring: int, inplace: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Runs C tokens per row through the model, reading and updating the static state.
+
+    Args:
+        model: `ShramForCausalLM`.
+        state: the state tensors in `StaticState.names()` order (5 per layer).
+        tokens: (B, C) int64 ids (any value at dead tokens).
+        input_pos: (B,) int64 live tokens each row has seen before this step.
+        live: (B, C) bool, which tokens are live.
+        ring: R, slots of the local ring (window + prefill_chunk - 1); C must be <= R - window + 1.
+        inplace: mutate `state` (True) or return new tensors (False).
+
+    Returns:
+        logits (B, C, V) (unspecified at dead tokens) and the new state list.
+    """
+    cfg = model.config
+    B, C = tokens.shape
+    H, L, K, u = cfg.num_sliding_window_heads, cfg.num_mosrah_heads, cfg.num_selected_heads, cfg.head_dim
+    Wn, W, R, T = cfg.window_size, cfg.block_length, ring, cfg.mosrah_cache_length
+    dev = tokens.device
+    ar_b = torch.arange(B, device=dev)
+
+    # Positions and local-ring bookkeeping, shared by all layers.
+    rank = live.long().cumsum(1) - 1  # (B, C)
+    pos = input_pos[:, None] + rank.clamp(min=0)  # (B, C) position of each live token
+    count = input_pos + live.long().sum(1)  # (B,) live tokens after this step
+    cos_l, sin_l = model.rope.local(pos)  # (B, C, u)
+    cos_l, sin_l = cos_l[:, None], sin_l[:, None]  # (B, 1, C, u)
+    ring_slot = torch.where(live, pos % R, R)  # (B, C), R is the sink
+    ring_rows = ((ar_b[:, None, None] * H + torch.arange(H, device=dev)[:, None]) * (R + 1)
+                 + ring_slot[:, None, :]).reshape(-1)  # (B*H*C,)
+    j = torch.arange(R, device=dev)
+    q_j = (count[:, None] - 1) - (count[:, None] - 1 - j).remainder(R)  # (B, R) position in slot j
+    dp = pos[:, :, None] - q_j[:, None, :]  # (B, C, R)
+    local_mask = ((q_j[:, None, :] >= 0) & (dp >= 0) & (dp < Wn))[:, None]  # (B, 1, C, R)
+    local_scale = 1 / math.sqrt(u)
+    sparse_scale = model.rope.sparse_factor / math.sqrt(u)
+    taken_open = (input_pos % W != 0)[:, None]  # (B, 1) the carried block is still open
+    ar_l = torch.arange(L, device=dev)
+    ar_t = torch.arange(T + 1, device=dev)
+
+    x = model.embed_tokens(tokens)  # (B, C, d)
+    new_state: list[torch.Tensor] = []
+    for i, layer in enumerate(model.model.layers):
+        taken, lk, lv, sk, sv = state[5 * i: 5 * i + 5]
+
+        def attn(h: torch.Tensor) -> torch.Tensor:
+            nonlocal taken, lk, lv, sk, sv
+            # Local path: write the chunk into the ring, then attend over the ring alone.
+            la = layer.attention.local_attention
+            q, k, v = la.qkv(h)  # (B, H, C, u)
+            q, k = apply_rope(q, cos_l, sin_l), apply_rope(k, cos_l, sin_l)
+            lk = _write(lk, ring_rows, k.reshape(-1, u), inplace)
+            lv = _write(lv, ring_rows, v.reshape(-1, u), inplace)
+            kr = lk.view(B, H, R + 1, u)[:, :, :R]  # (B, H, R, u)
+            vr = lv.view(B, H, R + 1, u)[:, :, :R]
+            y = la.out(masked_attention(q, kr, vr, local_mask, local_scale))  # (B, C, d)
+
+            # Sparse path: route, then touch only the K selected experts of each token.
+            sa = layer.attention.sparse_attention
+            bea = sa.bea
+            # The only read of the old `taken`; everything below derives from it, so an
+            # onnxruntime output aliased to this input is written only after it was read.
+            taken_eff = taken & taken_open  # (B, L)
+            idx, P, taken_new = route(h, sa.router.routing_weight, live, input_pos, taken_eff, K)
+            sel = (idx[..., None] == ar_l).any(-2) & live[..., None]  # (B, C, L)
+            held = (input_pos // W)[:, None] + taken_eff.long()  # (B, L) tokens per expert
+            before = sel.long().cumsum(1) - sel.long()  # (B, C, L) earlier chunk tokens per expert
+            slot = (held[:, None, :] + before).gather(-1, idx)  # (B, C, K) index in S_l
+            head = ar_b[:, None, None] * L + idx  # (B, C, K) row of (b, l) in the cache
+            wslot = torch.where(live[..., None] & (slot < T), slot, T)  # T is the sink
+            rows = (head * (T + 1) + wslot).reshape(-1)  # (B*C*K,)
+            qs = torch.einsum("bcd,bckdu->bcku", h, bea.q_proj[idx])  # (B, C, K, u)
+            ks = torch.einsum("bcd,bckdu->bcku", h, bea.k_proj[idx])
+            vs = torch.einsum("bcd,bckdu->bcku", h, bea.v_proj[idx])
+            r = pos[..., None] if cfg.rope_mode == "main_sequence" else slot
+            cos, sin = model.rope.sparse(r)  # (B, C, 1 or K, u)
+            qs, ks = apply_rope(qs, cos, sin), apply_rope(ks, cos, sin)
+            sk = _write(sk, rows, ks.reshape(-1, u), inplace)
+            sv = _write(sv, rows, vs.reshape(-1, u), inplace)
+            hsel = head.reshape(-1)
+            kc = sk.view(B * L, T + 1, u).index_select(0, hsel).view(B, C, K, T + 1, u)
+            vc = sv.view(B * L, T + 1, u).index_select(0, hsel).view(B, C, K, T + 1, u)
+            mask = ((ar_t <= slot[..., None]) & (ar_t < T))[..., None, :]  # (B, C, K, 1, T+1)
+            ys = masked_attention(qs[..., None, :], kc, vc, mask, sparse_scale)[..., 0, :]  # (B, C, K, u)
+            taken = taken_new if not inplace else taken.copy_(taken_new)
+            return y + torch.einsum("bcku,bckud,bck->bcd", ys, bea.o_proj[idx], P)
+
+        x = layer(x, attn)
+        new_state += [taken, lk, lv, sk, sv]
+    return model.logits(x), new_state
+
+
+class StepModule(nn.Module):
+    """The in-place step as a module: model weights plus state buffers, for eager,
+    torch.compile and torch.export.
+
+    Args:
+        model: `ShramForCausalLM`.
+        state: its `StaticState`.
+    """
+
+    def __init__(self, model, state: StaticState):
+        super().__init__()
+        self.model = model
+        self.state = state
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """tokens (B, C) int64, input_pos (B,) int64, live (B, C) bool -> logits (B, C, V)."""
+        logits, _ = step(self.model, self.state.tensors(), tokens, input_pos, live,
+                         self.state.ring, inplace=True)
+        return logits
+
+
+class FunctionalStep(nn.Module):
+    """The pure step: state in, state out (for ONNX export).
+
+    Args:
+        model: `ShramForCausalLM`.
+        state: a `StaticState` giving the ring size and the state order (its buffers are
+            not used).
+    """
+
+    def __init__(self, model, state: StaticState):
+        super().__init__()
+        self.model = model
+        self.ring = state.ring
+        self.names = state.names()
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor,
+                *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(tokens, input_pos, live, *state) -> (logits, *new_state)."""
+        logits, new_state = step(self.model, list(state), tokens, input_pos, live, self.ring, inplace=False)
+        return (logits, *new_state)
