@@ -1,14 +1,19 @@
 """Entmax-1.2 by fixed-iteration bisection (SPEC A.6).
 
-A fixed number of halvings and no data-dependent loop, so the same code runs eagerly,
-compiles with fullgraph=True and exports to ExecuTorch and ONNX. Matches
-`entmax.entmax_bisect(z, alpha=1.2)` (tested against it).
+A fixed number of steps and no data-dependent loop, so the same code runs eagerly, compiles
+with fullgraph=True and exports to ExecuTorch and ONNX. The SPEC's 50 halvings are done as
+10 rounds of a 32-way search (32^10 = 2^50): each round evaluates the 32 grid points of the
+current bracket at once and keeps the last one whose mass is still >= 1, which is the point
+5 halvings would reach. Same grid, same answer, 5x fewer sequential steps: 50 sequential
+halvings made Inductor spend ~40 s compiling one entmax and gave ExecuTorch/ONNX graphs
+of hundreds of ops per layer. Matches `entmax.entmax_bisect(z, alpha=1.2)` (tested).
 """
 
 import torch
 
 ALPHA = 1.2
-N_ITER = 50
+HALVINGS = 50
+WAYS = 32  # 2^5 grid points per round
 
 
 def _p(x: torch.Tensor) -> torch.Tensor:
@@ -19,28 +24,26 @@ def _p(x: torch.Tensor) -> torch.Tensor:
     return c2 * c2 * c
 
 
-def entmax12(z: torch.Tensor, n_iter: int = N_ITER) -> torch.Tensor:
+def entmax12(z: torch.Tensor) -> torch.Tensor:
     """Entmax with alpha = 1.2 over the last dimension, computed in fp32.
 
     Args:
         z: logits (..., L), any float dtype.
-        n_iter: bisection halvings.
 
     Returns:
         Probabilities (..., L) in fp32, summing to 1.
     """
     L = z.shape[-1]
-    x = z.float() * (ALPHA - 1)  # (..., L)
-    mx = x.amax(dim=-1, keepdim=True)  # (..., 1)
-    tau_lo = mx - 1.0
-    tau_hi = mx - (1.0 / L) ** (ALPHA - 1)
-    dm = tau_hi - tau_lo
-    p = _p(x - tau_lo)
-    for _ in range(n_iter):
-        dm = dm * 0.5
-        tau_m = tau_lo + dm
-        p = _p(x - tau_m)
-        f = p.sum(dim=-1, keepdim=True) - 1.0
-        # Branchless "tau_lo = tau_m where f >= 0".
-        tau_lo = torch.where(f >= 0, tau_m, tau_lo)
+    x = (z.float() * (ALPHA - 1))[..., None, :]  # (..., 1, L)
+    mx = x.amax(dim=-1, keepdim=True)  # (..., 1, 1)
+    tau_lo = mx - 1.0  # sum p(tau_lo) >= 1
+    dm = (mx - (1.0 / L) ** (ALPHA - 1)) - tau_lo  # bracket width
+    k = torch.arange(1, WAYS + 1, device=z.device, dtype=torch.float32)[:, None]  # (M, 1)
+    for _ in range(HALVINGS // 5):
+        dm = dm / WAYS
+        tau = tau_lo + dm * k  # (..., M, 1) grid of the bracket
+        f = _p(x - tau).sum(-1, keepdim=True)  # (..., M, 1) mass at each grid point
+        # The mass decreases with tau: the accepted points form a prefix; count them.
+        tau_lo = tau_lo + dm * (f >= 1.0).float().sum(-2, keepdim=True)
+    p = _p(x - tau_lo)[..., 0, :]  # (..., L)
     return p / p.sum(dim=-1, keepdim=True)
