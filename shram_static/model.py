@@ -127,9 +127,12 @@ class ShramForCausalLM(nn.Module):
             CausalLMOutput with logits (B, N, V) (unspecified at dead positions) and, when
             asked, selected_heads (layers, B, N, K), -1 at dead positions.
         """
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            raise ValueError("input_ids must be a (batch, length) tensor, got "
-                             f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a (batch, length) torch.Tensor of token ids, got "
+                            f"{type(input_ids).__name__}; wrap it with torch.tensor(...)")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be 2-D (batch, length), got shape {tuple(input_ids.shape)}"
+                             + ("; add a batch dimension with input_ids[None]" if input_ids.dim() == 1 else ""))
         check_input_ids(input_ids, self.config.vocab_size)
         live = check_mask(attention_mask, input_ids.shape)
         if live is None:

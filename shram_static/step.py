@@ -28,7 +28,8 @@ def _write(buf: torch.Tensor, rows: torch.Tensor, vals: torch.Tensor, inplace: b
 
 
 def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torch.Tensor,
-         live: torch.Tensor, ring: int, inplace: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+         live: torch.Tensor, ring: int, inplace: bool
+         ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """Runs C tokens per row through the model, reading and updating the static state.
 
     Args:
@@ -41,7 +42,8 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
         inplace: mutate `state` (True) or return new tensors (False).
 
     Returns:
-        logits (B, C, V) (unspecified at dead tokens) and the new state list.
+        logits (B, C, V) (unspecified at dead tokens), the new state list, and the selected
+        experts (layers, B, C, K), -1 at dead tokens (unused outputs cost nothing in graphs).
     """
     cfg = model.config
     B, C = tokens.shape
@@ -66,11 +68,13 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
     local_scale = 1 / math.sqrt(u)
     sparse_scale = model.rope.sparse_factor / math.sqrt(u)
     taken_open = (input_pos % W != 0)[:, None]  # (B, 1) the carried block is still open
+    row_live = live.any(1, keepdim=True)  # (B, 1)
     ar_l = torch.arange(L, device=dev)
     ar_t = torch.arange(T + 1, device=dev)
 
     x = model.embed_tokens(tokens)  # (B, C, d)
     new_state: list[torch.Tensor] = []
+    routing: list[torch.Tensor] = []
     for i, layer in enumerate(model.model.layers):
         taken, lk, lv, sk, sv = state[5 * i: 5 * i + 5]
 
@@ -89,10 +93,11 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
             # Sparse path: route, then touch only the K selected experts of each token.
             sa = layer.attention.sparse_attention
             bea = sa.bea
-            # The only read of the old `taken`; everything below derives from it, so an
-            # onnxruntime output aliased to this input is written only after it was read.
+            # Every read of the old `taken` feeds the new `taken`, so an onnxruntime output
+            # aliased to this input is written only after all reads.
             taken_eff = taken & taken_open  # (B, L)
             idx, P, taken_new = route(h, sa.router.routing_weight, live, input_pos, taken_eff, K)
+            routing.append(torch.where(live[..., None], idx, -1))
             sel = (idx[..., None] == ar_l).any(-2) & live[..., None]  # (B, C, L)
             held = (input_pos // W)[:, None] + taken_eff.long()  # (B, L) tokens per expert
             before = sel.long().cumsum(1) - sel.long()  # (B, C, L) earlier chunk tokens per expert
@@ -113,12 +118,14 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
             vc = sv.view(B * L, T + 1, u).index_select(0, hsel).view(B, C, K, T + 1, u)
             mask = ((ar_t <= slot[..., None]) & (ar_t < T))[..., None, :]  # (B, C, K, 1, T+1)
             ys = masked_attention(qs[..., None, :], kc, vc, mask, sparse_scale)[..., 0, :]  # (B, C, K, u)
+            # A row with no live token keeps its state bit for bit (not just equivalently).
+            taken_new = (taken_new & row_live) | (taken & ~row_live)
             taken = taken_new if not inplace else taken.copy_(taken_new)
             return y + torch.einsum("bcku,bckud,bck->bcd", ys, bea.o_proj[idx], P)
 
         x = layer(x, attn)
         new_state += [taken, lk, lv, sk, sv]
-    return model.logits(x), new_state
+    return model.logits(x), new_state, torch.stack(routing)
 
 
 class StepModule(nn.Module):
@@ -134,11 +141,14 @@ class StepModule(nn.Module):
         super().__init__()
         self.model = model
         self.state = state
+        self.routing_log: list | None = None  # set to a list to record routing (eager only)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         """tokens (B, C) int64, input_pos (B,) int64, live (B, C) bool -> logits (B, C, V)."""
-        logits, _ = step(self.model, self.state.tensors(), tokens, input_pos, live,
-                         self.state.ring, inplace=True)
+        logits, _, routing = step(self.model, self.state.tensors(), tokens, input_pos, live,
+                                  self.state.ring, inplace=True)
+        if self.routing_log is not None:
+            self.routing_log.append(routing)
         return logits
 
 
@@ -160,5 +170,5 @@ class FunctionalStep(nn.Module):
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor,
                 *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(tokens, input_pos, live, *state) -> (logits, *new_state)."""
-        logits, new_state = step(self.model, list(state), tokens, input_pos, live, self.ring, inplace=False)
+        logits, new_state, _ = step(self.model, list(state), tokens, input_pos, live, self.ring, inplace=False)
         return (logits, *new_state)

@@ -1,0 +1,145 @@
+"""Graph-break regression suite: the two static steps must stay whole, static graphs.
+
+Each property has its own test so a regression names what broke: a graph break, a
+recompile, a failed strict export, a data-dependent-shape op in the exported graph, or a
+state buffer no longer updated in place.
+"""
+
+import pytest
+import torch
+
+from helpers import random_config, randomize_
+from shram_static import ShramForCausalLM, StaticDecoder
+
+B, C = 2, 4
+
+# Ops whose output shape or control flow depends on tensor data, or that read a value back to
+# the host. Any of them in an exported step is a regression (no static shape, no export).
+DENYLIST = {
+    "aten.nonzero.default", "aten.nonzero_static.default", "aten.argwhere.default",
+    "aten.masked_select.default", "aten.masked_scatter.default", "aten.unique.default",
+    "aten._unique.default", "aten._unique2.default", "aten.unique_dim.default",
+    "aten.unique_consecutive.default", "aten._local_scalar_dense.default", "aten.item.default",
+    "aten.tolist.default", "aten.bincount.default", "aten.histc.default",
+    "aten.sym_constrain_range.default", "aten.sym_constrain_range_for_size.default",
+    "aten._assert_async.msg", "aten.equal.default", "aten.is_nonzero.default",
+    "aten.nonzero_numpy.default",
+}
+
+
+@pytest.fixture(scope="module")
+def model():
+    # Sparse regime with W = 4 and a small window, so a few dozen steps cross blocks and wrap.
+    cfg = random_config(21, num_mosrah_heads=8, num_selected_heads=2, window_size=3,
+                        num_decoder_layers=2, training_sequence_length=64)
+    return randomize_(ShramForCausalLM(cfg), 21)
+
+
+def inputs(cfg, n, seed, start=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (B, n), generator=gen)
+    live = torch.rand(B, n, generator=gen) > 0.2
+    return ids, torch.full((B,), start, dtype=torch.long), live
+
+
+def test_decode_step_has_no_graph_breaks(model):
+    dec = StaticDecoder(model, batch_size=B, prefill_chunk=C)
+    with torch.no_grad():
+        ex = torch._dynamo.explain(dec._decode_step)(*inputs(model.config, 1, 0))
+    assert ex.graph_break_count == 0, ex.break_reasons
+    assert ex.graph_count == 1
+
+
+def test_prefill_step_has_no_graph_breaks(model):
+    dec = StaticDecoder(model, batch_size=B, prefill_chunk=C)
+    with torch.no_grad():
+        ex = torch._dynamo.explain(dec._prefill_step)(*inputs(model.config, C, 0))
+    assert ex.graph_break_count == 0, ex.break_reasons
+    assert ex.graph_count == 1
+
+
+def test_compiled_steps_never_recompile_and_match_eager(model):
+    """Three prefill chunks and more than 2*window_size decode steps, all with fresh inputs of
+    the same shapes, under fail_on_recompile; outputs equal eager at every step."""
+    torch._dynamo.reset()
+    cfg = model.config
+    eager = StaticDecoder(model, batch_size=B, prefill_chunk=C)
+    comp = StaticDecoder(model, batch_size=B, prefill_chunk=C, compile=True)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (B, 3 * C), generator=gen)
+    mask = torch.rand(B, 3 * C, generator=gen) > 0.25
+    mask[:, 0] = True
+    # Warm-up compiles each step once (one graph per step).
+    torch.testing.assert_close(comp.prefill(ids[:, :C], mask[:, :C]), eager.prefill(ids[:, :C], mask[:, :C]),
+                               atol=1e-4, rtol=1e-4)
+    tok = torch.randint(0, cfg.vocab_size, (B,), generator=gen)
+    torch.testing.assert_close(comp.decode(tok), eager.decode(tok), atol=1e-4, rtol=1e-4)
+    n_decode = 2 * cfg.window_size + 5
+    with torch.compiler.set_stance("fail_on_recompile"):
+        torch.testing.assert_close(comp.prefill(ids[:, C:], mask[:, C:]), eager.prefill(ids[:, C:], mask[:, C:]),
+                                   atol=1e-4, rtol=1e-4)  # two more chunks
+        for t in range(n_decode):
+            tok = torch.randint(0, cfg.vocab_size, (B,), generator=gen)
+            active = torch.tensor([True, t % 3 != 1])
+            torch.testing.assert_close(comp.decode(tok, active), eager.decode(tok, active),
+                                       atol=1e-4, rtol=1e-4)
+        comp.reset(); eager.reset()  # position 0 again: same graph, no recompile
+        torch.testing.assert_close(comp.prefill(ids, mask), eager.prefill(ids, mask), atol=1e-4, rtol=1e-4)
+    for a, b in zip(comp.state.tensors(), eager.state.tensors()):
+        if a.dtype == torch.bool:
+            assert torch.equal(a, b)
+
+
+def export_step(model, n):
+    dec = StaticDecoder(model, batch_size=B, prefill_chunk=C)
+    with torch.no_grad():
+        ep = torch.export.export(dec.module, inputs(model.config, n, 0, start=5), strict=True)
+    return dec, ep
+
+
+@pytest.fixture(scope="module", params=[1, C], ids=["decode", "prefill"])
+def exported(request, model):
+    return export_step(model, request.param)
+
+
+def test_step_exports_with_strict_true(exported):
+    _, ep = exported
+    assert any(n.target == torch.ops.aten.topk.default for n in ep.graph.nodes)
+
+
+def test_exported_step_has_no_data_dependent_ops(exported):
+    _, ep = exported
+    graph = ep.run_decompositions({}).graph
+    found = set()
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = str(node.target)
+        if name in DENYLIST:
+            found.add(name)
+        if name == "aten.repeat_interleave.Tensor" and "output_size" not in node.kwargs:
+            found.add(name + " without output_size")
+        if name in ("aten.index.Tensor", "aten.index_put.default", "aten.index_put_.default"):
+            for ix in node.args[1]:  # boolean-mask indexing has a data-dependent shape
+                if ix is not None and ix.meta["val"].dtype == torch.bool:
+                    found.add(name + " with a boolean mask")
+    assert not found, f"data-dependent ops in the exported step: {sorted(found)}"
+
+
+def test_exported_step_updates_every_state_buffer_in_place(exported):
+    dec, ep = exported
+    mutated = set(ep.run_decompositions({}).graph_signature.buffers_to_mutate.values())
+    state = {"state." + n for n in dec.state.names()}
+    assert state <= mutated, f"state buffers not updated in place: {sorted(state - mutated)}"
+    # And nothing but state is written (weights and rope tables are read-only).
+    assert mutated <= state
+
+
+def test_exported_step_matches_eager(exported, model):
+    dec, ep = exported
+    args = inputs(model.config, ep.example_inputs[0][0].shape[1], 7)
+    eager = StaticDecoder(model, batch_size=B, prefill_chunk=C)
+    with torch.no_grad():
+        want = eager.module(*args)
+        got = ep.module()(*args)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
