@@ -88,7 +88,7 @@ class HostDecoder:
             if not bool(lc.any()):  # a chunk of padding only changes nothing
                 out.append(torch.zeros(B, C, self.config.vocab_size))
                 continue
-            out.append(self._run(ids[:, c0:c0 + C].contiguous(), pos.clone(), lc.contiguous()).float().cpu())
+            out.append(self._call(ids[:, c0:c0 + C], pos, lc).float().cpu())
             pos += lc.long().sum(1)
             self._count = pos.clone()
         return torch.cat(out, dim=1)[:, :N]
@@ -111,7 +111,7 @@ class HostDecoder:
         live = check_mask(active, ids.shape, "active")
         live = torch.ones(self.batch_size, dtype=torch.bool) if live is None else live.cpu()
         self._check_capacity(live.long())
-        logits = self._run(ids.long().cpu()[:, None], self._count.clone(), live[:, None])[:, 0]
+        logits = self._call(ids.long().cpu()[:, None], self._count, live[:, None])[:, 0]
         self._count += live.long()
         return logits.float().cpu()
 
@@ -179,6 +179,13 @@ class HostDecoder:
                 break
             logits = self.decode(torch.where(done, 0, nxt), active=~done)
         return out
+
+    def _call(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        # Fresh contiguous copies with canonical strides: a compiled step guards on input
+        # strides, and a column slice of a one-row prompt keeps the parent's row stride
+        # (.contiguous() is a no-op for it), which made every prefill call recompile.
+        canon = lambda t: t.clone(memory_format=torch.contiguous_format)
+        return self._run(canon(tokens), canon(input_pos), canon(live))
 
     # -- validation -----------------------------------------------------------------
     def _check_prompt(self, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:

@@ -244,3 +244,27 @@ def test_state_bytes_match_formula_and_never_grow():
     after = [(name, t.data_ptr(), tuple(t.shape)) for name, t in dec.state.named_buffers()]
     assert before == after
     assert dec.state.nbytes() == by_hand
+
+
+def test_steps_get_canonical_contiguous_inputs(monkeypatch):
+    """A compiled step guards on input strides: every call must see the same strides whatever
+    the caller's tensor layout, or it recompiles (seen: one-row prompts recompiled per chunk)."""
+    cfg = random_config(9, training_sequence_length=64, inference_sequence_length=64)
+    dec = StaticDecoder(randomize_(ShramForCausalLM(cfg), 9), batch_size=1, prefill_chunk=4)
+    seen = set()
+    real = dec._run
+
+    def spy(tokens, input_pos, live):
+        seen.add(tuple((tuple(t.shape), t.stride(), t.storage_offset()) for t in (tokens, input_pos, live)))
+        return real(tokens, input_pos, live)
+
+    monkeypatch.setattr(dec, "_run", spy)
+    big = torch.randint(0, cfg.vocab_size, (1, 64))
+    dec.prefill(big[:, 3:14])
+    dec.prefill(big[:, 20:27].t().contiguous().t())
+    for t in range(30, 35):
+        dec.decode(big[:, t])
+        dec.decode(big[0, t:t + 1].expand(1))
+    shapes = {s[0][0] for s in seen}
+    assert shapes == {(1, 4), (1, 1)}
+    assert len(seen) == 2, seen
