@@ -8,6 +8,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import ShramConfig
+from .rope import RotaryTables
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -23,18 +24,39 @@ def expected_shapes(model) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
+def _some(items: list[str], n: int = 10) -> str:
+    """The first n items, and how many more (a wrong config can mismatch hundreds of keys)."""
+    more = f" and {len(items) - n} more" if len(items) > n else ""
+    return f"{items[:n]}{more}"
+
+
 def load_pretrained(cls, path, dtype: torch.dtype = torch.float32):
     """See `ShramForCausalLM.from_pretrained`."""
     path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(f"{path!r} is a file; give the checkpoint directory that holds "
+                                 f"{CONFIG_FILE} and {WEIGHTS_FILE}")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
     for f in (CONFIG_FILE, WEIGHTS_FILE):
         if not os.path.isfile(os.path.join(path, f)):
             raise FileNotFoundError(f"checkpoint directory {path!r} has no {f}")
+    config_path = os.path.join(path, CONFIG_FILE)
     try:
-        config = ShramConfig.from_json_file(os.path.join(path, CONFIG_FILE))
+        with open(config_path, encoding="utf-8") as f:
+            raw = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{os.path.join(path, CONFIG_FILE)} is not valid JSON: {e}") from e
+        raise CheckpointError(f"{config_path} is not valid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_path} must hold a JSON object of config fields, got a "
+                              f"JSON {type(raw).__name__}")
+    if raw.get("model_type", ShramConfig.model_type) != ShramConfig.model_type:
+        raise CheckpointError(f"{config_path} has model_type {raw['model_type']!r}; this package loads "
+                              f"only {ShramConfig.model_type!r} checkpoints")
+    try:
+        config = ShramConfig.from_json_file(config_path)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{config_path} is not a valid SHRAM config: {e}") from e
     try:
         sd = load_file(os.path.join(path, WEIGHTS_FILE))
     except (SafetensorError, OSError) as e:
@@ -49,19 +71,23 @@ def load_pretrained(cls, path, dtype: torch.dtype = torch.float32):
     bad_dtype = sorted(f"{k}: {sd[k].dtype}" for k in sd if sd[k].dtype not in LOADABLE_DTYPES)
     problems = []
     if missing:
-        problems.append(f"missing keys {missing}")
+        problems.append(f"missing keys {_some(missing)}")
     if extra:
-        problems.append(f"unexpected keys {extra}")
+        problems.append(f"unexpected keys {_some(extra)}")
     if wrong:
-        problems.append(f"misshapen keys {wrong}")
+        problems.append(f"misshapen keys {_some(wrong)}")
     if bad_dtype:
-        problems.append(f"keys of unsupported dtype (need fp32, bf16 or fp16) {bad_dtype}")
+        problems.append(f"keys of unsupported dtype (need fp32, bf16 or fp16) {_some(bad_dtype)}")
     if problems:
         raise CheckpointError(f"{os.path.join(path, WEIGHTS_FILE)} does not match its config.json: "
                               + "; ".join(problems))
-    model = cls(config)  # real tensors (rope tables, init) then overwritten by the file
-    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True)
-    return model.to(dtype).eval()
+    # Build on the meta device (no random init, no global-RNG use), then take the file's
+    # tensors as the parameters; only the computed RoPE tables are made for real.
+    with torch.device("meta"):
+        model = cls(config)
+    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
+    model.rope = RotaryTables(config)
+    return model.eval()
 
 
 def save_pretrained(model, path) -> None:

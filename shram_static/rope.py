@@ -56,8 +56,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates x (..., u) by per-position tables cos/sin broadcastable to x."""
-    return x * cos + rotate_half(x) * sin
+    """Rotates x (..., u) by per-position fp32 tables cos/sin broadcastable to x; computes in
+    fp32 and returns x's dtype."""
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
 
 
 class RotaryTables(nn.Module):
@@ -86,6 +88,13 @@ class RotaryTables(nn.Module):
         self.register_buffer("sparse_sin", sin, persistent=False)
         self.sparse_factor = yarn_attention_factor(config.scale)
         self.length = n
+
+    def _apply(self, fn, recurse=True):
+        # Keep the tables fp32 when the model is cast to bf16/fp16 (SPEC A.7); moves still apply.
+        super()._apply(fn, recurse)
+        for name in ("local_cos", "local_sin", "sparse_cos", "sparse_sin"):
+            setattr(self, name, getattr(self, name).float())
+        return self
 
     def local(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin at integer positions pos (...) -> (..., u)."""

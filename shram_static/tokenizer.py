@@ -1,0 +1,211 @@
+"""Tokenizers: the built-in byte-level tokenizer and checkpoints' own `tokenizer.json`.
+
+`ByteTokenizer` maps UTF-8 bytes to ids 0-255 and adds BOS=256, EOS=257, PAD=258 (vocab 259).
+`ByteTokenizer.save(dir)` writes an HF `tokenizer.json` that encodes and decodes the same way
+(byte-level BPE with no merges, so each byte is one token and id == byte value), readable by
+`tokenizers`, `transformers` and ExecuTorch's runner. `load_tokenizer(dir)` picks a checkpoint's
+`tokenizer.json` when there is one, else the byte tokenizer.
+"""
+
+import json
+import os
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+# Names that ExecuTorch's Python HF tokenizer guesses for BOS/EOS when given no config file.
+BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<|begin_of_text|>", "<|endoftext|>", "<|pad|>"
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character table (used by ByteLevel)."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1))
+          + list(range(ord("\xae"), ord("\xff") + 1)))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: ids 0-255 are the bytes, then BOS, EOS and PAD.
+
+    Attributes:
+        bos_token_id, eos_token_id, pad_token_id: 256, 257, 258.
+        vocab_size: 259.
+    """
+
+    bos_token_id = 256
+    eos_token_id = 257
+    pad_token_id = 258
+    vocab_size = 259
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Returns the UTF-8 bytes of `text` as ids, after BOS when `add_bos`."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        ids = list(text.encode("utf-8"))
+        return [self.bos_token_id] + ids if add_bos else ids
+
+    def decode(self, ids) -> str:
+        """Decodes ids to text: special ids are skipped, invalid UTF-8 becomes U+FFFD."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        out = bytearray()
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} is outside the byte tokenizer's vocabulary [0, {self.vocab_size})")
+            if i < 256:
+                out.append(i)
+        return out.decode("utf-8", errors="replace")
+
+    def to_json(self) -> dict:
+        """The HF `tokenizer.json` content equivalent to this tokenizer."""
+        vocab = {ch: b for b, ch in bytes_to_unicode().items()}
+        specials = [(BOS_TOKEN, self.bos_token_id), (EOS_TOKEN, self.eos_token_id),
+                    (PAD_TOKEN, self.pad_token_id)]
+        return {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": [
+                {"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
+                 "normalized": False, "special": True}
+                for s, i in specials
+            ],
+            "normalizer": None,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+                              "use_regex": False},
+            "post_processor": {
+                "type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": BOS_TOKEN, "type_id": 0}},
+                           {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"SpecialToken": {"id": BOS_TOKEN, "type_id": 0}},
+                         {"Sequence": {"id": "A", "type_id": 0}},
+                         {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {BOS_TOKEN: {"id": BOS_TOKEN, "ids": [self.bos_token_id],
+                                               "tokens": [BOS_TOKEN]}},
+            },
+            "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+                        "use_regex": False},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                      "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": vocab, "merges": []},
+        }
+
+    def save(self, directory) -> None:
+        """Writes `tokenizer.json` (and a `tokenizer_config.json` naming the special tokens)."""
+        directory = os.fspath(directory)
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, TOKENIZER_FILE), "w", encoding="utf-8") as f:
+            json.dump(self.to_json(), f, ensure_ascii=False, indent=1)
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN,
+               "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "add_bos_token": True,
+               "clean_up_tokenization_spaces": False, "model_max_length": 1_000_000_000}
+        with open(os.path.join(directory, TOKENIZER_CONFIG_FILE), "w", encoding="utf-8") as f:
+            json.dump(cfg, f, indent=1)
+
+
+class HFTokenizer:
+    """A checkpoint's `tokenizer.json` (via `transformers.PreTrainedTokenizerFast`) behind the
+    `ByteTokenizer` interface.
+
+    Special tokens come from the directory's `tokenizer_config.json` when present (its
+    `bos_token`/`eos_token`/`pad_token`), else from the BOS of the `tokenizer.json`
+    post-processor template and the added special tokens whose names say bos/eos/pad.
+    """
+
+    def __init__(self, directory):
+        from transformers import PreTrainedTokenizerFast
+
+        directory = os.fspath(directory)
+        path = os.path.join(directory, TOKENIZER_FILE)
+        try:
+            with open(path, encoding="utf-8") as f:
+                spec = json.load(f)
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not a readable tokenizer.json: {e}") from e
+        special = _special_tokens_from_config(directory) or _guess_special_tokens(spec)
+        try:
+            self.tok = PreTrainedTokenizerFast(tokenizer_file=path, clean_up_tokenization_spaces=False,
+                                               **special)
+        except Exception as e:  # tokenizers raises its own Exception subclass on bad files
+            raise ValueError(f"{path} could not be loaded as a tokenizer: {e}") from e
+        self.bos_token_id = self.tok.bos_token_id
+        self.eos_token_id = self.tok.eos_token_id
+        self.pad_token_id = self.tok.pad_token_id
+        self.vocab_size = len(self.tok)
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of `text` (no template specials), after BOS when `add_bos` and one is known."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        if add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids) -> str:
+        """Decodes ids to text, skipping special tokens."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True,
+                               clean_up_tokenization_spaces=False)
+
+
+def _special_tokens_from_config(directory: str) -> dict:
+    path = os.path.join(directory, TOKENIZER_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    out = {}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = cfg.get(key)
+        if isinstance(value, dict):  # AddedToken serialisation
+            value = value.get("content")
+        if isinstance(value, str):
+            out[key] = value
+    return out
+
+
+def _guess_special_tokens(spec: dict) -> dict:
+    """bos/eos/pad from a bare tokenizer.json: the post-processor's leading special token is
+    BOS; added special tokens whose text names bos/eos/pad fill the rest."""
+    out = {}
+    post = spec.get("post_processor") or {}
+    procs = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
+    for p in procs:
+        if p.get("type") == "TemplateProcessing" and p.get("single"):
+            first = p["single"][0]
+            if "SpecialToken" in first:
+                out["bos_token"] = first["SpecialToken"]["id"]
+                break
+    hints = {"bos_token": ("bos", "<s>", "begin_of_text", "startoftext"),
+             "eos_token": ("eos", "</s>", "end_of_text", "endoftext"),
+             "pad_token": ("pad",)}
+    for tok in spec.get("added_tokens", []):
+        if not tok.get("special"):
+            continue
+        text = tok.get("content", "")
+        for key, words in hints.items():
+            if key not in out and any(w in text.lower() for w in words):
+                out[key] = text
+    return out
+
+
+def load_tokenizer(directory=None):
+    """The tokenizer of a checkpoint directory: its `tokenizer.json` if it has one, else the
+    built-in `ByteTokenizer` (also for `directory=None`)."""
+    if directory is not None and os.path.isfile(os.path.join(os.fspath(directory), TOKENIZER_FILE)):
+        return HFTokenizer(directory)
+    return ByteTokenizer()

@@ -1,0 +1,121 @@
+"""Shared test helpers: random small configs, randomised weights, golden cases, the oracle.
+
+Imported by several test modules (keep these names): `random_config`, `randomize_`,
+`golden_case`, plus `oracle_cfg`/`oracle_sd`/`run_oracle` to evaluate tests/oracle.py on a
+model built by the package.
+"""
+
+import os
+import random
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from oracle import CONFIG_DEFAULTS, oracle_forward  # noqa: E402
+
+from shram_static import ShramConfig, ShramForCausalLM  # noqa: E402
+
+DATA = os.path.join(HERE, "data")
+GOLDEN_CASES = ["main_basic", "semantic_tied", "yarn_extended", "left_padded"]
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Runs a test module's tiny models on one intra-op thread (restored afterwards): on a
+    2-core machine, 2 threads on matrices this small are slower, and collapse under load.
+    Import it into a test module to use it: `from helpers import one_thread  # noqa: F401`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# L -> the K that give W = L // K in {1, 2, 3, 4}
+_SPARSE_SHAPES = {4: (4, 2, 1), 6: (6, 3, 2), 8: (8, 4, 2), 12: (12, 6, 4, 3)}
+
+
+def random_config(seed: int, **overrides) -> ShramConfig:
+    """A small random ShramConfig: every structural choice (sizes, W, rope mode, tying, gates,
+    YaRN extension) drawn from `seed`; `overrides` replace any field (an overridden
+    training_sequence_length also scales the drawn inference_sequence_length)."""
+    rng = random.Random(seed)
+    L = rng.choice(sorted(_SPARSE_SHAPES))
+    train = rng.randint(16, 64)
+    extend = rng.choice((1, 1, 2, 3, 4))  # inference = extend * training (YaRN when > 1)
+    train = overrides.get("training_sequence_length", train)
+    fields = dict(
+        vocab_size=rng.randint(50, 120),
+        embedding_width=rng.randint(16, 48),
+        mlp_width=rng.randint(16, 64),
+        num_decoder_layers=rng.randint(1, 3),
+        num_sliding_window_heads=rng.randint(1, 4),
+        num_mosrah_heads=L,
+        num_selected_heads=rng.choice(_SPARSE_SHAPES[L]),
+        head_dim=rng.choice((4, 8)),
+        window_size=rng.randint(2, 9),
+        rope_mode=rng.choice(("main_sequence", "semantic_sequence")),
+        local_rope_theta=rng.choice((10000.0, 500.0)),
+        mosrah_rope_theta=rng.choice((10000.0, 100.0)),
+        training_sequence_length=train,
+        inference_sequence_length=train * extend,
+        tie_word_embeddings=rng.random() < 0.5,
+        use_residual_gate=rng.random() < 0.5,
+    )
+    fields.update(overrides)
+    return ShramConfig(**fields)
+
+
+@torch.no_grad()
+def randomize_(model: ShramForCausalLM, seed: int) -> ShramForCausalLM:
+    """Sets every parameter AND the residual-scale buffers to random nonzero values, so no
+    sublayer is hidden: projections normal * 0.3, norms 1 + 0.2 * normal, gates uniform(0.3, 1.5)."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = dict(model.named_parameters())
+    tensors.update((n, b) for n, b in model.named_buffers() if n.endswith("residual_scale"))
+    for name in sorted(tensors):
+        t = tensors[name]
+        if name.endswith("residual_scale"):
+            v = 0.3 + 1.2 * torch.rand(t.shape, generator=gen)
+        elif name.endswith("norm.weight"):
+            v = 1.0 + 0.2 * torch.randn(t.shape, generator=gen)
+        elif name == "embed_tokens.weight":
+            v = torch.randn(t.shape, generator=gen)
+        else:
+            v = 0.3 * torch.randn(t.shape, generator=gen)
+        t.copy_(v.to(t.dtype))
+    return model
+
+
+def random_model(seed: int, **overrides) -> ShramForCausalLM:
+    """`randomize_(ShramForCausalLM(random_config(seed, **overrides)), seed)` in eval mode."""
+    return randomize_(ShramForCausalLM(random_config(seed, **overrides)), seed).eval()
+
+
+def random_ids(config: ShramConfig, batch: int, length: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, config.vocab_size, (batch, length), generator=gen)
+
+
+def golden_case(name: str) -> tuple[ShramForCausalLM, dict]:
+    """(model loaded from tests/data/NAME, its golden tensors)."""
+    path = os.path.join(DATA, name)
+    return ShramForCausalLM.from_pretrained(path), load_file(os.path.join(path, "golden.safetensors"))
+
+
+def oracle_cfg(config: ShramConfig) -> dict:
+    """The plain dict tests/oracle.py reads (SPEC A.1 fields only)."""
+    return {k: getattr(config, k) for k in CONFIG_DEFAULTS}
+
+
+def oracle_sd(model: ShramForCausalLM) -> dict:
+    """The model's checkpoint tensors in float64, for tests/oracle.py."""
+    return {k: v.detach().double() for k, v in model.state_dict().items()}
+
+
+def run_oracle(model: ShramForCausalLM, ids: torch.Tensor, mask: torch.Tensor | None = None):
+    """(logits float64 (B, N, V), selected (layers, B, N, K)) of the float64 reference."""
+    return oracle_forward(oracle_cfg(model.config), oracle_sd(model), ids, mask)

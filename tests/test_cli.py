@@ -1,0 +1,178 @@
+"""The command line, as a user runs it: `python -m shram_static` / `shram-static generate`.
+
+Expected continuations are computed independently, by re-running the uncached full forward
+(checked against the golden cases in test_model.py) and taking the argmax."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import DATA, one_thread  # noqa: F401
+from shram_static import ShramForCausalLM
+from shram_static.cli import main
+from shram_static.default_model import default_model
+from shram_static.tokenizer import ByteTokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env():
+    env = dict(os.environ, PYTHONIOENCODING="utf-8", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _run(*args, timeout=240):
+    return subprocess.run(list(args), capture_output=True, env=_env(), cwd=REPO, timeout=timeout)
+
+
+def _greedy_text(model, prompt, n):
+    """Greedy continuation by re-running the full forward; cut at EOS; decoded."""
+    tok = ByteTokenizer()
+    ids = tok.encode(prompt)
+    new = []
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            if nxt == tok.eos_token_id:
+                break
+            new.append(nxt)
+            ids.append(nxt)
+    return tok.decode(new)
+
+
+@pytest.fixture(scope="module")
+def builtin_expected():
+    return _greedy_text(default_model(), "Hello", 8)
+
+
+def test_module_generate(builtin_expected):
+    r = _run(sys.executable, "-m", "shram_static", "generate", "--prompt", "Hello", "--max-new-tokens", "8")
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.decode("utf-8") == builtin_expected + "\n"
+    assert b"Traceback" not in r.stderr
+
+
+def test_module_error_exits_2(tmp_path):
+    r = _run(sys.executable, "-m", "shram_static", "generate", "--prompt", "Hello",
+             "--checkpoint", str(tmp_path / "missing"))
+    assert r.returncode == 2
+    err = r.stderr.decode().strip().splitlines()
+    assert err[-1].startswith("error: ") and "missing" in err[-1]
+    assert b"Traceback" not in r.stderr and r.stdout == b""
+
+
+def test_installed_entry_point(builtin_expected):
+    """The `shram-static` console script that `pip install -e .` puts on PATH."""
+    exe = shutil.which("shram-static")
+    if exe is None:
+        pytest.skip("shram-static is not installed (pip install -e . puts it on PATH)")
+    r = _run(exe, "generate", "--prompt", "Hello", "--max-new-tokens", "8")
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.decode("utf-8") == builtin_expected + "\n"
+
+
+# -- in process (same code path, no interpreter start-up) ------------------------------------
+def test_generate_checkpoint(capsys):
+    path = os.path.join(DATA, "main_basic")
+    expected = _greedy_text(ShramForCausalLM.from_pretrained(path), "The cat", 12)
+    assert main(["generate", "--prompt", "The cat", "--checkpoint", path, "--max-new-tokens", "12",
+                 "--prefill-chunk", "4"]) == 0
+    out = capsys.readouterr()
+    assert out.out == expected + "\n"
+    assert "loading" in out.err
+
+
+def test_checkpoint_tokenizer_json_is_used(tmp_path, capsys):
+    """A checkpoint carrying a tokenizer.json goes through it (same ids here: ours)."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(DATA, "yarn_extended"), dst)
+    ByteTokenizer().save(dst)
+    expected = _greedy_text(ShramForCausalLM.from_pretrained(dst), "héllo", 10)
+    assert main(["generate", "--prompt", "héllo", "--checkpoint", str(dst), "--max-new-tokens", "10"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+
+
+def test_sampling_is_seeded(capsys):
+    args = ["generate", "--prompt", "Hi", "--max-new-tokens", "12", "--temperature", "1.5",
+            "--top-k", "40", "--seed", "7"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first
+    assert main(args[:-1] + ["8"]) == 0
+    assert capsys.readouterr().out != first  # another seed, (almost surely) another sample
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--checkpoint", os.path.join(DATA, "main_basic"), "--max-new-tokens", "100"], ["capacity", "64"]),
+    (["--temperature", "0"], ["temperature"]),
+    (["--top-p", "1.5"], ["top-p"]),
+])
+def test_errors_exit_2(capsys, args, words):
+    assert main(["generate", "--prompt", "Hello"] + args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ")
+    for w in words:
+        assert w in err, err
+
+
+def test_checkpoint_without_tokenizer_and_small_vocab(tmp_path, capsys):
+    from helpers import random_model
+    random_model(1, vocab_size=100).save_pretrained(tmp_path)
+    assert main(["generate", "--prompt", "Hello", "--checkpoint", str(tmp_path)]) == 2
+    assert "tokenizer.json" in capsys.readouterr().err
+
+
+def test_broken_checkpoint_exits_2(tmp_path, capsys):
+    shutil.copytree(os.path.join(DATA, "main_basic"), tmp_path / "c")
+    (tmp_path / "c" / "model.safetensors").write_bytes(b"garbage")
+    assert main(["generate", "--prompt", "Hello", "--checkpoint", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("error: ") and "model.safetensors" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate"],                                            # --prompt missing
+    ["generate", "--prompt", "x", "--max-new-tokens", "0"],
+    ["generate", "--prompt", "x", "--backend", "tpu"],
+    ["nonsense"],
+    [],
+])
+def test_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_help_lists_subcommands(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "generate" in out and "bench" in out
+
+
+def test_builtin_model_is_deterministic_and_not_degenerate():
+    from shram_static.default_model import default_config
+    state = torch.random.get_rng_state()
+    a, b = default_model(), default_model()
+    assert torch.equal(torch.random.get_rng_state(), state), "the global RNG was used"
+    for (k, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(va, vb), k
+    c = default_config()
+    assert (c.vocab_size, c.embedding_width, c.mlp_width, c.num_decoder_layers) == (259, 64, 192, 2)
+    assert (c.num_sliding_window_heads, c.num_mosrah_heads, c.num_selected_heads, c.head_dim) == (4, 8, 2, 16)
+    assert (c.window_size, c.training_sequence_length, c.inference_sequence_length) == (16, 256, 256)
+    for name, v in a.state_dict().items():
+        assert bool((v != 0).all()), name
+        if name.endswith("residual_scale"):
+            assert 0.5 <= float(v) <= 1.5, name
+    logits = a(torch.tensor([ByteTokenizer().encode("Hello, world")])).logits[0]
+    assert logits.std(-1).min() > 0.1  # not a flat distribution
+    assert len(set(logits.argmax(-1).tolist())) > 1  # not the same token everywhere
