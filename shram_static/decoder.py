@@ -7,6 +7,22 @@ from .state import StaticState
 from .step import StepModule
 
 
+def gemv_layout_(model):
+    """Stores every nn.Linear weight transposed in memory (same shape and values).
+
+    A decode step multiplies one row per sequence by each weight. MKL's GEMV streams a
+    weight stored (in, out) row-major at ~15-19 GB/s here but the (out, in) layout of
+    nn.Linear at ~10 GB/s (measured on the 50277x512 lm_head: 19.4 vs 9.7 GB/s), and
+    `F.linear(x, w)` with `w` column-major hands MKL exactly the fast layout. Parameter shapes,
+    values and `state_dict()` are unchanged. Returns the model.
+    """
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.weight.is_contiguous():
+                m.weight.data = m.weight.data.t().contiguous().t()
+    return model
+
+
 class StaticDecoder(HostDecoder):
     """Decodes with fixed-shape state: two step functions over buffers allocated once.
 
@@ -28,7 +44,7 @@ class StaticDecoder(HostDecoder):
         super().__init__(model.config, batch_size, prefill_chunk, eos_token_id)
         p = next(model.parameters())
         self.device = p.device
-        self.model = model.eval()
+        self.model = gemv_layout_(model.eval())
         self.state = StaticState(model.config, batch_size, prefill_chunk, dtype=p.dtype, device=p.device)
         self.module = StepModule(self.model, self.state)
         self.compiled = compile
