@@ -23,17 +23,6 @@ from shram_static import ShramConfig, ShramForCausalLM  # noqa: E402
 DATA = os.path.join(HERE, "data")
 GOLDEN_CASES = ["main_basic", "semantic_tied", "yarn_extended", "left_padded"]
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Runs a test module's tiny models on one intra-op thread (restored afterwards): on a
-    2-core machine, 2 threads on matrices this small are slower, and collapse under load.
-    Import it into a test module to use it: `from helpers import one_thread  # noqa: F401`."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # L -> the K that give W = L // K in {1, 2, 3, 4}
 _SPARSE_SHAPES = {4: (4, 2, 1), 6: (6, 3, 2), 8: (8, 4, 2), 12: (12, 6, 4, 3)}
 

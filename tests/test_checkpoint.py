@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from helpers import DATA, GOLDEN_CASES, one_thread, random_ids, random_model  # noqa: F401
+from helpers import DATA, GOLDEN_CASES, random_ids, random_model
 from shram_static import CheckpointError, ShramConfig, ShramForCausalLM
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers import DATA, one_thread  # noqa: F401
+from helpers import DATA
 from shram_static import ShramForCausalLM
 from shram_static.cli import main
 from shram_static.default_model import default_model

@@ -5,7 +5,7 @@ errors."""
 import pytest
 import torch
 
-from helpers import GOLDEN_CASES, golden_case, one_thread, random_ids, random_model, run_oracle  # noqa: F401
+from helpers import GOLDEN_CASES, golden_case, random_ids, random_model, run_oracle
 
 
 # -- golden parity --------------------------------------------------------------------------
