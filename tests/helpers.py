@@ -9,7 +9,6 @@ import os
 import random
 import sys
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
