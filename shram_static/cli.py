@@ -125,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers.required = True
     _add_generate(subparsers)
     from . import bench
+    from .export import cli as export_cli
     bench.register(subparsers)
+    export_cli.register(subparsers)
     return parser
 
 

@@ -1,0 +1,59 @@
+"""`shram-static export`: write `.pte` and/or `.onnx` artifacts plus `tokenizer.json`."""
+
+import os
+import shutil
+import sys
+import time
+
+FORMATS = ("pte", "onnx")
+
+
+def export_main(args) -> int:
+    """Exports the model of `--checkpoint` (built-in model when absent) into `--out`."""
+    from ..default_model import load_model_and_tokenizer
+    from . import export_onnx, export_pte
+
+    formats = [f.strip() for f in args.format.split(",") if f.strip()]
+    bad = [f for f in formats if f not in FORMATS]
+    if bad or not formats:
+        raise ValueError(f"--format takes a comma-separated subset of {FORMATS}, got {args.format!r}")
+    model, tok = load_model_and_tokenizer(args.checkpoint)
+    os.makedirs(args.out, exist_ok=True)
+    # The stock ExecuTorch runner reads a tokenizer.json: ship the checkpoint's own, else ours.
+    src = os.path.join(args.checkpoint, "tokenizer.json") if args.checkpoint else None
+    if src and os.path.isfile(src):
+        shutil.copy(src, os.path.join(args.out, "tokenizer.json"))
+    else:
+        tok.save(args.out)
+    eos = tok.eos_token_id
+    stem = os.path.join(args.out, "model")
+    for fmt in formats:
+        t = time.perf_counter()
+        print(f"exporting {fmt} (batch {args.batch_size}, prefill chunk {args.prefill_chunk}"
+              f"{', ' + args.quantize if args.quantize and fmt == 'pte' else ''}); "
+              f"lowering can take minutes ...", file=sys.stderr, flush=True)
+        if fmt == "pte":
+            suffix = f".{args.quantize}" if args.quantize else ""
+            path = export_pte(model, f"{stem}{suffix}.pte", batch_size=args.batch_size,
+                              prefill_chunk=args.prefill_chunk, quantize=args.quantize, eos_token_id=eos)
+        else:
+            if args.quantize:
+                print("note: --quantize applies to .pte only; the .onnx stays fp32", file=sys.stderr)
+            paths = export_onnx(model, f"{stem}.onnx", batch_size=args.batch_size,
+                                prefill_chunk=args.prefill_chunk, eos_token_id=eos)
+            path = paths["decode"] if isinstance(paths, dict) else paths
+        print(f"wrote {path} in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+        print(path)
+    return 0
+
+
+def register(subparsers) -> None:
+    """Adds the `export` subcommand to the CLI."""
+    p = subparsers.add_parser("export", help="write ExecuTorch (.pte) and/or ONNX artifacts")
+    p.add_argument("--checkpoint", help="checkpoint directory (default: the built-in model)")
+    p.add_argument("--format", default="pte,onnx", help="comma-separated: pte, onnx (default both)")
+    p.add_argument("--out", required=True, help="output directory (created)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--prefill-chunk", type=int, default=32)
+    p.add_argument("--quantize", choices=["int8"], default=None, help="int8 linear layers (.pte only)")
+    p.set_defaults(func=export_main)

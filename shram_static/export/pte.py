@@ -1,0 +1,404 @@
+"""ExecuTorch export (`.pte`, XNNPACK) of the static steps, and a decoder that runs it.
+
+One program holds:
+  * the decode step: `forward(tokens [1, 1] int64, input_pos [1] int64) -> logits [1, V]` when
+    batch_size is 1 (the signature of ExecuTorch's stock `TextLLMRunner`), otherwise
+    `decode(tokens [B, 1], input_pos [B], live [B, 1] bool) -> logits [B, V]`;
+  * `prefill(tokens [B, C], input_pos [B], live [B, C] bool) -> logits [B, C, V]`;
+  * constant methods read by the stock runner (`get_max_seq_len`, `get_max_context_len`,
+    `use_kv_cache`, `enable_dynamic_shape`, `get_eos_ids`) and by `load_pte`
+    (`get_shram_config`: the model config JSON; `get_shram_export`: batch size, chunk,
+    quantization, state names, method names, as JSON).
+Both step methods share one set of mutable state buffers. Every piece of bookkeeping is
+derived from `input_pos`, so a call at position 0 starts a fresh sequence without clearing
+anything (what the stock runner's `reset()` relies on).
+"""
+
+import copy
+import json
+import os
+
+import torch
+from torch import nn
+
+from ..config import ShramConfig
+from ..host import HostDecoder
+from ..state import StaticState
+from ..step import StepModule
+
+FORMAT = "shram_static.pte/1"
+QUANTIZE_MODES = (None, "int8")
+# file_identifier of the ExecuTorch flatbuffer (bytes 4..8 of every .pte written by 1.x).
+_PTE_MAGIC = b"ET12"
+
+
+class ExportFormatError(ValueError):
+    """A file that is not a loadable export of this package (truncated, corrupt, foreign, or
+    from another export); a missing file raises FileNotFoundError instead."""
+
+
+# ----------------------------------------------------------------------------------------
+# Export
+# ----------------------------------------------------------------------------------------
+
+class _Decode1(nn.Module):
+    """Stock-runner decode step for batch 1: `(tokens [1, 1], input_pos [1]) -> logits [1, V]`."""
+
+    def __init__(self, step: StepModule):
+        super().__init__()
+        self.step = step  # same attribute name in every wrapper, so buffer FQNs match
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        live = torch.ones_like(tokens, dtype=torch.bool)
+        return self.step(tokens, input_pos, live)[:, -1, :]
+
+
+class _DecodeB(nn.Module):
+    """Batched decode step: `(tokens [B, 1], input_pos [B], live [B, 1]) -> logits [B, V]`."""
+
+    def __init__(self, step: StepModule):
+        super().__init__()
+        self.step = step
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        return self.step(tokens, input_pos, live)[:, -1, :]
+
+
+class _Prefill(nn.Module):
+    """Chunk step: `(tokens [B, C], input_pos [B], live [B, C]) -> logits [B, C, V]`."""
+
+    def __init__(self, step: StepModule):
+        super().__init__()
+        self.step = step
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        return self.step(tokens, input_pos, live)
+
+
+def export_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` in eval mode with every parameter and buffer contiguous.
+
+    WHY: exporting must not touch the caller's model, and `StaticDecoder` re-lays nn.Linear
+    weights out column-major in place (its GEMV layout); the exporters and XNNPACK's weight
+    serialisation are only exercised on the default row-major layout.
+    """
+    m = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        for t in list(m.parameters()) + list(m.buffers()):
+            if not t.is_contiguous():
+                t.data = t.data.contiguous()
+    return m
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """Returns a copy of `model` whose nn.Linear layers use dynamic int8 activations and int8
+    per-channel weights (torchao `Int8DynamicActivationIntxWeightConfig`, "8da8w").
+
+    WHY this config: it is the flow executorch 1.4.1's own LLM export uses, and XNNPACK lowers
+    it to QD8 GEMMs (probe: 0.37x file size, 5x faster linears). Weight-only int8
+    (`IntxWeightOnlyConfig`) lowered to a program that returned NaN with fp32-sized weights, and
+    8-bit embeddings need `quantized_decomposed::embedding_byte`, which the pip runtime lacks.
+    The sparse path's per-expert matrices (L, d, u) are gathered per token, not nn.Linear, and
+    stay in the model dtype.
+
+    Args:
+        model: a `ShramForCausalLM` (left untouched).
+
+    Returns:
+        The quantized copy.
+    """
+    from torchao.quantization.granularity import PerAxis
+    from torchao.quantization.quant_api import Int8DynamicActivationIntxWeightConfig, quantize_
+
+    def cfg():
+        return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
+
+    q = copy.deepcopy(model).eval()
+    quantize_(q, cfg(), filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
+    try:
+        with torch.no_grad():
+            q.logits(torch.zeros(1, model.config.embedding_width, dtype=next(model.parameters()).dtype))
+    except NotImplementedError:
+        # WHY: a model whose logits are `x @ lm_head.weight.t()` (not F.linear) cannot run a
+        # torchao int8 weight (it implements linear, not aten.t); keep lm_head in float then.
+        q = copy.deepcopy(model).eval()
+        quantize_(q, cfg(), filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn != "lm_head")
+    return q
+
+
+def _init_first_method_pass(names):
+    """`InitializedMutableBufferPass` that marks the state buffers of the FIRST method only.
+
+    WHY: without the pass a mutated buffer is emitted with shape and dtype only, and a fresh
+    program's state is whatever the allocator left (a NaN in a masked slot still poisons
+    attention: 0 * NaN). With it, the starting bytes are stored per method, so marking both
+    methods stores the whole state twice. The runtime copies them in when the method is loaded,
+    so the decode method (lowered first, loaded first by `load_pte` and the only one the stock
+    runner loads) is enough.
+    """
+    from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
+
+    class _FirstMethodOnly(InitializedMutableBufferPass):
+        def __init__(self, patterns):
+            super().__init__(patterns)
+            self.calls = 0
+
+        def call(self, graph_module):
+            self.calls += 1
+            if self.calls == 1:
+                return super().call(graph_module)
+            saved, self.patterns = self.patterns, []
+            try:
+                return super().call(graph_module)
+            finally:
+                self.patterns = saved
+
+    # Placeholder names are the FQNs with dots as underscores ("b_step_state_layers_0_taken");
+    # the pass matches substrings, and "..._layers_1_taken" is no substring of "..._layers_11_taken".
+    return _FirstMethodOnly([f"state_{n.replace('.', '_')}" for n in names])
+
+
+def program_ops(et_program, method: str) -> dict:
+    """What one method of an emitted program runs, for graph checks and reports.
+
+    Args:
+        et_program: an `ExecutorchProgramManager` (from `to_executorch`).
+        method: method name.
+
+    Returns:
+        {"kernels": {"aten::op.overload": calls} (portable kernels, outside any delegate),
+         "delegate_calls": int, "delegated_ops": int (edge ops inside the delegates),
+         "backends": sorted backend ids}.
+    """
+    from executorch.exir.lowered_backend_module import LoweredBackendModule
+
+    plan = next((p for p in et_program.executorch_program.execution_plan if p.name == method), None)
+    if plan is None:
+        raise KeyError(f"no method {method!r} in the program")
+    names = [f"{o.name}.{o.overload}" if o.overload else o.name for o in plan.operators]
+    kernels: dict[str, int] = {}
+    delegate_calls = 0
+    for chain in plan.chains:
+        for ins in chain.instructions:
+            kind = type(ins.instr_args).__name__
+            if kind == "KernelCall":
+                op = names[ins.instr_args.op_index]
+                kernels[op] = kernels.get(op, 0) + 1
+            elif kind == "DelegateCall":
+                delegate_calls += 1
+    delegated, backends = 0, set()
+    for _, mod in et_program.exported_program(method).graph_module.named_children():
+        if isinstance(mod, LoweredBackendModule):
+            backends.add(mod.backend_id)
+            delegated += sum(n.op == "call_function" for n in mod.original_module.graph.nodes)
+    return {"kernels": kernels, "delegate_calls": delegate_calls, "delegated_ops": delegated,
+            "backends": sorted(backends)}
+
+
+def lower_program(model, batch_size: int = 1, prefill_chunk: int = 32, quantize: str | None = None,
+                  eos_token_id: int | None = None):
+    """Exports and lowers the two steps; returns the `ExecutorchProgramManager` (not written).
+
+    Args: as `export_pte`.
+
+    Returns:
+        The program manager; `.buffer` is the .pte bytes.
+    """
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes import MemoryPlanningPass
+
+    cfg: ShramConfig = model.config
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+    if eos_token_id is not None and not 0 <= int(eos_token_id) < cfg.vocab_size:
+        raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {cfg.vocab_size})")
+    model = export_copy(model)
+    dtype = next(model.parameters()).dtype
+    if quantize == "int8":
+        model = quantize_int8(model)
+    B, C = batch_size, prefill_chunk
+    state = StaticState(cfg, B, C, dtype=dtype)
+    step = StepModule(model, state).eval()
+    i64 = dict(dtype=torch.long)
+    decode_name = "forward" if B == 1 else "decode"
+    if B == 1:
+        dec, dec_args = _Decode1(step), (torch.zeros(1, 1, **i64), torch.zeros(1, **i64))
+    else:
+        dec, dec_args = _DecodeB(step), (torch.zeros(B, 1, **i64), torch.zeros(B, **i64),
+                                         torch.ones(B, 1, dtype=torch.bool))
+    pre_args = (torch.zeros(B, C, **i64), torch.zeros(B, **i64), torch.ones(B, C, dtype=torch.bool))
+    # no_grad: in-place writes into buffers computed from parameters that require grad fail in
+    # ExecuTorch's passes. strict=True: the mode the stack was probed with.
+    with torch.no_grad():
+        ep_dec = torch.export.export(dec, dec_args, strict=True)
+        ep_pre = torch.export.export(_Prefill(step), pre_args, strict=True)
+    meta = {
+        "format": FORMAT, "batch_size": B, "prefill_chunk": C, "quantize": quantize,
+        "dtype": str(dtype).replace("torch.", ""), "decode_method": decode_name,
+        "prefill_method": "prefill", "state_names": state.names(), "eos_token_id": eos_token_id,
+    }
+    constants = {
+        "get_max_seq_len": cfg.inference_sequence_length,
+        "get_max_context_len": cfg.inference_sequence_length,
+        "use_kv_cache": True,
+        "enable_dynamic_shape": False,
+        "get_shram_config": cfg.to_json_string(use_diff=False),  # string constants work (probe 1)
+        "get_shram_export": json.dumps(meta),
+    }
+    if eos_token_id is not None:
+        constants["get_eos_ids"] = [int(eos_token_id)]
+    # Decode first: the first method is the one that carries the state's starting values.
+    edge = to_edge_transform_and_lower({decode_name: ep_dec, "prefill": ep_pre},
+                                       partitioner=[XnnpackPartitioner()], constant_methods=constants)
+    return edge.to_executorch(ExecutorchBackendConfig(
+        # share_mutable_buffers + emit_mutable_buffer_names: both methods address ONE copy of
+        # each state buffer (through executorch.runtime's Program; portable_lib's Module API
+        # would give each method its own copy).
+        memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=True),
+        emit_mutable_buffer_names=True,
+        # index_put -> index_put_: without it each cache write copies the whole buffer into a
+        # temporary and back (probe 1: 3.2 vs 2.0 ms/step with 4 MiB caches). Safe: the pass
+        # only rewrites when the old buffer value is not read afterwards.
+        run_reinplace_pass=True,
+        passes=[_init_first_method_pass(state.names())],
+    ))
+
+
+def export_pte(model, path, batch_size: int = 1, prefill_chunk: int = 32, quantize: str | None = None,
+               eos_token_id: int | None = None) -> str:
+    """Writes one ExecuTorch program (XNNPACK delegate, portable kernels for the rest).
+
+    Args:
+        model: a `ShramForCausalLM` (fp32; not modified).
+        path: output `.pte` path (its directory is created).
+        batch_size: B rows per call. B = 1 names the decode method `forward` with the stock
+            runner's two inputs; B > 1 names it `decode` and adds per-row live flags.
+        prefill_chunk: C tokens per `prefill` call.
+        quantize: None (float weights) or "int8" (dynamic int8 linear layers, `quantize_int8`).
+        eos_token_id: stored as `get_eos_ids` (the stock runner stops on it) and used by the
+            loaded decoder's `generate`.
+
+    Returns:
+        The path written.
+    """
+    et = lower_program(model, batch_size, prefill_chunk, quantize, eos_token_id)
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(et.buffer)
+    return path
+
+
+# ----------------------------------------------------------------------------------------
+# Load
+# ----------------------------------------------------------------------------------------
+
+def _read_constant(program, name: str, path: str):
+    if name not in program.method_names:
+        raise ExportFormatError(f"{path} has no {name!r} method: it was not written by "
+                                f"shram_static.export.export_pte")
+    return program.load_method(name).execute([])[0]
+
+
+class PteDecoder(HostDecoder):
+    """`HostDecoder` over an ExecuTorch program written by `export_pte`.
+
+    Both step methods run through `executorch.runtime`'s Program, which gives them one shared
+    set of state buffers. Build it with `load_pte`.
+
+    Args:
+        path: the `.pte` file.
+    """
+
+    def __init__(self, path):
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"ExecuTorch program {path!r} does not exist")
+        with open(path, "rb") as f:
+            head = f.read(8)
+        if len(head) < 8 or head[4:8] != _PTE_MAGIC:
+            raise ExportFormatError(f"{path} is not an ExecuTorch program (no {_PTE_MAGIC!r} header)")
+        from executorch.runtime import Runtime
+        try:
+            program = Runtime.get().load_program(path)
+        except Exception as e:  # the runtime raises a bare RuntimeError on a bad flatbuffer
+            raise ExportFormatError(f"{path} could not be loaded by the ExecuTorch runtime "
+                                    f"(truncated or corrupt?): {e}") from e
+        try:
+            meta = json.loads(_read_constant(program, "get_shram_export", path))
+            config = ShramConfig.from_dict(json.loads(_read_constant(program, "get_shram_config", path)))
+        except ExportFormatError:
+            raise
+        except Exception as e:
+            raise ExportFormatError(f"{path}: unreadable shram metadata (truncated or corrupt?): {e}") from e
+        if meta.get("format") != FORMAT:
+            raise ExportFormatError(f"{path} has format {meta.get('format')!r}; this version reads {FORMAT!r}")
+        super().__init__(config, meta["batch_size"], meta["prefill_chunk"], meta.get("eos_token_id"))
+        self.path = path
+        self.meta = meta
+        self._program = program
+        B, C, V = self.batch_size, self.prefill_chunk, config.vocab_size
+        self._check_signature(meta["decode_method"], (B, 1), (B, V))
+        self._check_signature(meta["prefill_method"], (B, C), (B, C, V))
+        try:
+            # Decode first: it carries the state's starting values (see _init_first_method_pass).
+            self._decode = program.load_method(meta["decode_method"])
+            self._prefill = program.load_method(meta["prefill_method"])
+        except Exception as e:
+            raise ExportFormatError(f"{path}: loading the step methods failed (truncated, or built "
+                                    f"with kernels this runtime lacks?): {e}") from e
+        self._batched = meta["decode_method"] != "forward"
+
+    def _check_signature(self, method: str, tokens_shape, logits_shape) -> None:
+        """Raises ExportFormatError unless the method's tensors match the stored config."""
+        if method not in self._program.method_names:
+            raise ExportFormatError(f"{self.path} has no {method!r} method")
+        mm = self._program.metadata(method)
+        got_in = tuple(mm.input_tensor_meta(0).sizes())
+        got_out = tuple(mm.output_tensor_meta(0).sizes())
+        if got_in != tuple(tokens_shape) or got_out != tuple(logits_shape):
+            raise ExportFormatError(
+                f"{self.path}: method {method!r} takes tokens {got_in} and returns logits {got_out}, "
+                f"but its stored config says {tuple(tokens_shape)} -> {tuple(logits_shape)} "
+                f"(a file from another config?)")
+
+    @property
+    def method_names(self) -> set[str]:
+        """Every method in the program (steps and constants)."""
+        return set(self._program.method_names)
+
+    def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        # The runtime rejects strided inputs (e.g. a column slice of the prompt).
+        tokens, input_pos, live = tokens.contiguous(), input_pos.contiguous(), live.contiguous()
+        if tokens.shape[1] == 1:
+            if self._batched:
+                out = self._decode.execute([tokens, input_pos, live])[0]
+            elif bool(live.all()):
+                out = self._decode.execute([tokens, input_pos])[0]
+            else:
+                # `forward` (stock-runner signature) has no live flag: a dead token of a batch-1
+                # decode is a no-op, so skip the call (its logits are unspecified).
+                out = torch.zeros(1, self.config.vocab_size)
+            return out[:, None, :]
+        return self._prefill.execute([tokens, input_pos, live])[0]
+
+
+def load_pte(path) -> PteDecoder:
+    """Loads a `.pte` written by `export_pte` as a decoder with the `StaticDecoder` API.
+
+    Args:
+        path: the `.pte` file; everything else (config, batch size, chunk) is read from it.
+
+    Returns:
+        A `PteDecoder` (`prefill`, `decode`, `reset`, `generate`).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ExportFormatError: not a (complete) program written by `export_pte`.
+    """
+    return PteDecoder(path)

@@ -1,0 +1,176 @@
+"""ONNX export (`export_onnx` / `load_onnx`): golden logits and tokens, the graph contract
+(names, checker, metadata, weights stored once), in-place state binding against two alternating
+state sets, bad artifacts and host validation."""
+
+import json
+import os
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from helpers import GOLDEN_CASES, golden_case
+
+from shram_static import StaticDecoder
+from shram_static.default_model import default_model
+from shram_static.export import ExportFormatError, export_onnx, load_onnx
+from shram_static.export.onnx import graph_paths
+
+CHUNK = 5
+
+
+def golden_run(dec, g):
+    """Prefill in two calls (the second starting mid routing block), teacher-forced decode to
+    the end, then greedy generation; returns (max abs logit error on live positions, tokens)."""
+    ids, mask, P = g["input_ids"], g["attention_mask"].bool(), int(g["prompt_len"])
+    W = dec.config.block_length
+    s = next((s for s in range(P // 2, P) if int(mask[0, :s].sum()) % W), P // 2)
+    dec.reset()
+    parts = [dec.prefill(ids[:, :s], mask[:, :s]), dec.prefill(ids[:, s:P], mask[:, s:P])]
+    for t in range(P, ids.shape[1]):
+        parts.append(dec.decode(ids[:, t], mask[:, t])[:, None])
+    logits = torch.cat(parts, dim=1)
+    err = (logits - g["logits_full"])[mask].abs().max().item()
+    tokens = dec.generate(ids[:, :P], mask[:, :P], max_new_tokens=g["greedy_tokens"].shape[1])
+    return err, tokens
+
+
+@pytest.fixture(scope="module")
+def builtin(tmp_path_factory):
+    """(paths, model) of the built-in model exported for batch 2, chunk 8."""
+    model = default_model()
+    paths = export_onnx(model, tmp_path_factory.mktemp("onnx") / "m.onnx", batch_size=2, prefill_chunk=8,
+                        eos_token_id=257)
+    return paths, model
+
+
+@pytest.mark.parametrize("name", GOLDEN_CASES)
+def test_golden_logits_and_greedy(name, tmp_path):
+    model, g = golden_case(name)
+    B = g["input_ids"].shape[0]
+    paths = export_onnx(model, tmp_path / "m.onnx", batch_size=B, prefill_chunk=CHUNK)
+    dec = load_onnx(paths["decode"])
+    err, tokens = golden_run(dec, g)
+    assert err <= 1e-3, f"{name}: max abs logit error {err}"
+    assert torch.equal(tokens, g["greedy_tokens"]), f"{name}: {tokens} != {g['greedy_tokens']}"
+
+
+def test_graph_contract(builtin):
+    paths, model = builtin
+    assert paths == graph_paths(paths["decode"])
+    names = load_onnx(paths["decode"]).names
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for role, C in (("decode", 1), ("prefill", 8)):
+        onnx.checker.check_model(paths[role], full_check=True)
+        m = onnx.load(paths[role], load_external_data=False)
+        assert [i.name for i in m.graph.input] == ["input_ids", "position_ids", "live"] + [f"past.{n}" for n in names]
+        assert [o.name for o in m.graph.output] == ["logits"] + [f"present.{n}" for n in names]
+        dims = [d.dim_value for d in m.graph.output[0].type.tensor_type.shape.dim]
+        assert dims == [2, C, model.config.vocab_size]
+        props = {p.key: p.value for p in m.metadata_props}
+        assert json.loads(props["shram_config"]) == json.loads(model.config.to_json_string(use_diff=False))
+        meta = json.loads(props["shram_export"])
+        assert meta["role"] == role and meta["batch_size"] == 2 and meta["prefill_chunk"] == 8
+        # weights live in the shared data file, not in the graph
+        assert os.path.getsize(paths[role]) < param_bytes
+    # both graphs' weights are stored once (the exporter folds some weights into differently
+    # named constants per graph; the data file is deduplicated by content)
+    assert os.path.getsize(paths["data"]) < 1.25 * param_bytes
+
+
+def test_inplace_binding_matches_alternating_states(builtin):
+    """IOBinding with present.X bound to past.X's OrtValue is only correct when no node reads an
+    old state tensor after writing it: compare against two alternating state sets."""
+    paths, _ = builtin
+    fast, ref = load_onnx(paths["decode"], inplace=True), load_onnx(paths["decode"], inplace=False)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (2, 21), generator=gen)
+    mask = torch.ones(2, 21, dtype=torch.bool)
+    mask[1, :4] = False  # a left-padded row
+    outs = {}
+    for name, d in (("fast", fast), ("ref", ref)):
+        seq = [d.prefill(ids[:, :13], mask[:, :13]), d.prefill(ids[:, 13:], mask[:, 13:])]
+        for t in range(12):
+            seq.append(d.decode(ids[:, t], torch.tensor([True, t % 3 != 0]))[:, None])
+        outs[name] = torch.cat(seq, dim=1)
+    assert torch.equal(outs["fast"], outs["ref"])
+    for n, a in fast.state_arrays().items():
+        assert np.array_equal(a, ref.state_arrays()[n]), n
+
+
+def test_matches_static_decoder_and_reset(builtin):
+    paths, model = builtin
+    dec, ref = load_onnx(paths["decode"]), StaticDecoder(model, batch_size=2, prefill_chunk=8, eos_token_id=257)
+    prompt = torch.tensor([[256, 72, 101, 108, 108, 111], [256, 87, 111, 114, 108, 100]])
+    a = dec.generate(prompt, max_new_tokens=16)
+    b = ref.generate(prompt, max_new_tokens=16)
+    assert torch.equal(a, b)
+    dec.reset()
+    assert torch.equal(dec.generate(prompt, max_new_tokens=16), a)
+
+
+def test_bad_artifacts(builtin, tmp_path):
+    import shutil
+
+    paths, model = builtin
+    with pytest.raises(FileNotFoundError):
+        load_onnx(tmp_path / "missing.onnx")
+
+    def copy_export(dst):
+        out = graph_paths(dst)
+        for role in ("decode", "prefill", "data"):
+            shutil.copy(paths[role], out[role])
+        return out
+
+    p = copy_export(tmp_path / "a.onnx")
+    os.remove(p["prefill"])
+    with pytest.raises(FileNotFoundError, match="prefill"):
+        load_onnx(p["decode"])
+
+    p = copy_export(tmp_path / "b.onnx")
+    data = open(p["decode"], "rb").read()
+    open(p["decode"], "wb").write(data[:len(data) // 2])
+    with pytest.raises(ExportFormatError, match="truncated"):
+        load_onnx(p["decode"])
+
+    p = copy_export(tmp_path / "c.onnx")
+    data = open(p["data"], "rb").read()
+    open(p["data"], "wb").write(data[:len(data) // 2])
+    with pytest.raises(ExportFormatError):
+        load_onnx(p["decode"])
+
+    # a prefill graph from another export (another chunk length) beside this decode graph
+    other = export_onnx(model, tmp_path / "other" / "m.onnx", batch_size=2, prefill_chunk=4)
+    p = copy_export(tmp_path / "d.onnx")
+    shutil.copy(other["prefill"], p["prefill"])
+    with pytest.raises(ExportFormatError, match="another export"):
+        load_onnx(p["decode"])
+
+    # an ONNX model that export_onnx did not write
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])
+    foreign = onnx.helper.make_model(onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])],
+                                                            "g", [x], [y]))
+    p = copy_export(tmp_path / "e.onnx")
+    onnx.save(foreign, p["decode"])
+    with pytest.raises(ExportFormatError, match="not written by"):
+        load_onnx(p["decode"])
+
+
+def test_host_validation_keeps_state(builtin):
+    paths, model = builtin
+    dec, ref = load_onnx(paths["decode"]), StaticDecoder(model, batch_size=2, prefill_chunk=8)
+    ids = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+    for d in (dec, ref):
+        d.prefill(ids)
+        with pytest.raises(ValueError):
+            d.decode(torch.tensor([1, model.config.vocab_size]))
+        with pytest.raises(ValueError):
+            d.decode(torch.tensor([1]))
+        with pytest.raises(TypeError):
+            d.prefill(ids.float())
+        with pytest.raises(ValueError):
+            d.prefill(torch.zeros(2, model.config.inference_sequence_length, dtype=torch.long))
+    a, b = dec.decode(torch.tensor([42, 43])), ref.decode(torch.tensor([42, 43]))
+    assert (a - b).abs().max() < 1e-4
