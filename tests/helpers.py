@@ -107,3 +107,20 @@ def oracle_sd(model: ShramForCausalLM) -> dict:
 def run_oracle(model: ShramForCausalLM, ids: torch.Tensor, mask: torch.Tensor | None = None):
     """(logits float64 (B, N, V), selected (layers, B, N, K)) of the float64 reference."""
     return oracle_forward(oracle_cfg(model.config), oracle_sd(model), ids, mask)
+
+
+def golden_run(dec, g):
+    """Prefill in two calls (the second starting mid routing block), teacher-forced decode to
+    the end, then greedy generation; returns (max abs logit error on live positions, tokens)."""
+    ids, mask, P = g["input_ids"], g["attention_mask"].bool(), int(g["prompt_len"])
+    W = dec.config.block_length
+    # split point: row 0 has a live count that is not a multiple of W (mid block) when W > 1
+    s = next((s for s in range(P // 2, P) if int(mask[0, :s].sum()) % W), P // 2)
+    dec.reset()
+    parts = [dec.prefill(ids[:, :s], mask[:, :s]), dec.prefill(ids[:, s:P], mask[:, s:P])]
+    for t in range(P, ids.shape[1]):
+        parts.append(dec.decode(ids[:, t], mask[:, t])[:, None])
+    logits = torch.cat(parts, dim=1)
+    err = (logits - g["logits_full"])[mask].abs().max().item()
+    tokens = dec.generate(ids[:, :P], mask[:, :P], max_new_tokens=g["greedy_tokens"].shape[1])
+    return err, tokens

@@ -10,7 +10,7 @@ import onnx
 import pytest
 import torch
 
-from helpers import GOLDEN_CASES, golden_case
+from helpers import GOLDEN_CASES, golden_case, golden_run
 
 from shram_static import StaticDecoder
 from shram_static.default_model import default_model
@@ -18,22 +18,6 @@ from shram_static.export import ExportFormatError, export_onnx, load_onnx
 from shram_static.export.onnx import graph_paths
 
 CHUNK = 5
-
-
-def golden_run(dec, g):
-    """Prefill in two calls (the second starting mid routing block), teacher-forced decode to
-    the end, then greedy generation; returns (max abs logit error on live positions, tokens)."""
-    ids, mask, P = g["input_ids"], g["attention_mask"].bool(), int(g["prompt_len"])
-    W = dec.config.block_length
-    s = next((s for s in range(P // 2, P) if int(mask[0, :s].sum()) % W), P // 2)
-    dec.reset()
-    parts = [dec.prefill(ids[:, :s], mask[:, :s]), dec.prefill(ids[:, s:P], mask[:, s:P])]
-    for t in range(P, ids.shape[1]):
-        parts.append(dec.decode(ids[:, t], mask[:, t])[:, None])
-    logits = torch.cat(parts, dim=1)
-    err = (logits - g["logits_full"])[mask].abs().max().item()
-    tokens = dec.generate(ids[:, :P], mask[:, :P], max_new_tokens=g["greedy_tokens"].shape[1])
-    return err, tokens
 
 
 @pytest.fixture(scope="module")

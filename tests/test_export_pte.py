@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from helpers import GOLDEN_CASES, golden_case
+from helpers import GOLDEN_CASES, golden_case, golden_run
 
 from shram_static import StaticDecoder
 from shram_static.default_model import default_model
@@ -42,23 +42,6 @@ ALLOWED_KERNELS = {
 # graph improves; a rise fails the test.
 RECORDED = {"forward": {"portable": 424, "delegate_calls": 35, "share": 0.43},
             "prefill": {"portable": 506, "delegate_calls": 35, "share": 0.46}}
-
-
-def golden_run(dec, g):
-    """Prefill in two calls (the second starting mid routing block), teacher-forced decode to
-    the end, then greedy generation; returns (max abs logit error on live positions, tokens)."""
-    ids, mask, P = g["input_ids"], g["attention_mask"].bool(), int(g["prompt_len"])
-    W = dec.config.block_length
-    # split point: row 0 has a live count that is not a multiple of W (mid block) when W > 1
-    s = next((s for s in range(P // 2, P) if int(mask[0, :s].sum()) % W), P // 2)
-    dec.reset()
-    parts = [dec.prefill(ids[:, :s], mask[:, :s]), dec.prefill(ids[:, s:P], mask[:, s:P])]
-    for t in range(P, ids.shape[1]):
-        parts.append(dec.decode(ids[:, t], mask[:, t])[:, None])
-    logits = torch.cat(parts, dim=1)
-    err = (logits - g["logits_full"])[mask].abs().max().item()
-    tokens = dec.generate(ids[:, :P], mask[:, :P], max_new_tokens=g["greedy_tokens"].shape[1])
-    return err, tokens
 
 
 @pytest.fixture(scope="module")
