@@ -7,6 +7,7 @@ a routing block (a static Python int), handling the same step of every block at 
 """
 
 import torch
+import torch.nn.functional as F
 
 from .entmax import entmax12
 
@@ -73,7 +74,7 @@ def route(h: torch.Tensor, routing_weight: torch.Tensor, live: torch.Tensor, sta
     Returns:
         idx: (B, C, K) selected experts; P: (B, C, K) weights in h's dtype; taken_out: (B, L).
     """
-    z = (h @ routing_weight.t()).float()  # (B, C, L)
+    z = F.linear(h, routing_weight).float()  # (B, C, L); linear, as XNNPACK delegates it
     scores = entmax12(z)
     idx, taken_out = block_select(z, live, start, taken, k)
     ps = scores.gather(-1, idx)  # (B, C, K)

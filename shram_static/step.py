@@ -105,9 +105,9 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
             head = ar_b[:, None, None] * L + idx  # (B, C, K) row of (b, l) in the cache
             wslot = torch.where(live[..., None] & (slot < T), slot, T)  # T is the sink
             rows = (head * (T + 1) + wslot).reshape(-1)  # (B*C*K,)
-            qs = torch.einsum("bcd,bckdu->bcku", h, bea.q_proj[idx])  # (B, C, K, u)
-            ks = torch.einsum("bcd,bckdu->bcku", h, bea.k_proj[idx])
-            vs = torch.einsum("bcd,bckdu->bcku", h, bea.v_proj[idx])
+            qs = torch.einsum("bcd,bckdu->bcku", h, experts(bea.q_proj, idx))  # (B, C, K, u)
+            ks = torch.einsum("bcd,bckdu->bcku", h, experts(bea.k_proj, idx))
+            vs = torch.einsum("bcd,bckdu->bcku", h, experts(bea.v_proj, idx))
             r = pos[..., None] if cfg.rope_mode == "main_sequence" else slot
             cos, sin = model.rope.sparse(r)  # (B, C, 1 or K, u)
             qs, ks = apply_rope(qs, cos, sin), apply_rope(ks, cos, sin)
@@ -121,11 +121,22 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
             # A row with no live token keeps its state bit for bit (not just equivalently).
             taken_new = (taken_new & row_live) | (taken & ~row_live)
             taken = taken_new if not inplace else taken.copy_(taken_new)
-            return y + torch.einsum("bcku,bckud,bck->bcd", ys, bea.o_proj[idx], P)
+            return y + torch.einsum("bcku,bckud,bck->bcd", ys, experts(bea.o_proj, idx), P)
 
         x = layer(x, attn)
         new_state += [taken, lk, lv, sk, sv]
     return model.logits(x), new_state, torch.stack(routing)
+
+
+def experts(w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Weights of the selected experts: w (L, a, b), idx (B, C, K) -> (B, C, K, a, b).
+
+    Rows of a 2-D view with one 1-D index_select, not `w[idx]`: ExecuTorch runs the latter
+    as an element-wise portable index.Tensor (measured 0.9 ms per projection per layer per
+    token) and the former as a row copy (0.05 ms).
+    """
+    L, a, b = w.shape
+    return w.view(L, a * b).index_select(0, idx.reshape(-1)).view(*idx.shape, a, b)
 
 
 class StepModule(nn.Module):
