@@ -176,3 +176,24 @@ def test_builtin_model_is_deterministic_and_not_degenerate():
     logits = a(torch.tensor([ByteTokenizer().encode("Hello, world")])).logits[0]
     assert logits.std(-1).min() > 0.1  # not a flat distribution
     assert len(set(logits.argmax(-1).tolist())) > 1  # not the same token everywhere
+
+
+def test_export_onnx_command_writes_loadable_artifacts(tmp_path, capsys):
+    """`shram-static export --format onnx` writes the graphs and tokenizer.json; the loaded
+    graphs generate what StaticDecoder generates."""
+    from shram_static import StaticDecoder
+    from shram_static.export import load_onnx
+
+    out = tmp_path / "out"
+    assert main(["export", "--format", "onnx", "--prefill-chunk", "8", "--out", str(out)]) == 0
+    written = capsys.readouterr().out.split()
+    assert written == [str(out / "model.onnx")]
+    assert (out / "tokenizer.json").is_file() and (out / "model.prefill.onnx").is_file()
+    ids = torch.tensor([ByteTokenizer().encode("Hi there")])
+    want = StaticDecoder(default_model(), prefill_chunk=8).generate(ids, max_new_tokens=6)
+    assert torch.equal(load_onnx(str(out / "model.onnx")).generate(ids, max_new_tokens=6), want)
+
+
+def test_export_bad_format_exits_2(tmp_path, capsys):
+    assert main(["export", "--format", "tflite", "--out", str(tmp_path)]) == 2
+    assert "error:" in capsys.readouterr().err
