@@ -17,17 +17,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from probe_pte import build_generic  # noqa: E402
 
 
-def bytes_to_unicode():
-    """GPT-2's reversible byte -> printable unicode map (the ByteLevel vocab strings)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
+from shram_static.tokenizer import bytes_to_unicode  # noqa: E402  (the package's GPT-2 byte map)
 
 
 def byte_tokenizer_json(bos=256, eos=257, pad=258, decoder=True):

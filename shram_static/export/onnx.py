@@ -29,7 +29,7 @@ from ..config import ShramConfig
 from ..host import HostDecoder
 from ..state import StaticState
 from ..step import FunctionalStep
-from .pte import ExportFormatError, export_copy
+from .pte import ExportFormatError, check_export_args, export_copy
 
 FORMAT = "shram_static.onnx/1"
 _ALIGN = 64  # byte alignment of each tensor in the shared data file
@@ -115,12 +115,7 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int = 32,
     import onnx
 
     cfg: ShramConfig = model.config
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
-    if eos_token_id is not None and not 0 <= int(eos_token_id) < cfg.vocab_size:
-        raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {cfg.vocab_size})")
+    check_export_args(cfg, batch_size, prefill_chunk, eos_token_id)
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
     state = StaticState(cfg, batch_size, prefill_chunk, dtype=dtype)

@@ -75,6 +75,16 @@ class _Prefill(nn.Module):
         return self.step(tokens, input_pos, live)
 
 
+def check_export_args(cfg: ShramConfig, batch_size, prefill_chunk, eos_token_id) -> None:
+    """Raises ValueError on export arguments that cannot make a program (shared by .pte/.onnx)."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+    if eos_token_id is not None and not 0 <= int(eos_token_id) < cfg.vocab_size:
+        raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {cfg.vocab_size})")
+
+
 def export_copy(model: nn.Module) -> nn.Module:
     """A copy of `model` in eval mode with every parameter and buffer contiguous.
 
@@ -211,12 +221,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int = 32, quantize:
     cfg: ShramConfig = model.config
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
-    if eos_token_id is not None and not 0 <= int(eos_token_id) < cfg.vocab_size:
-        raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {cfg.vocab_size})")
+    check_export_args(cfg, batch_size, prefill_chunk, eos_token_id)
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
     if quantize == "int8":
