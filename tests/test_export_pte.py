@@ -16,7 +16,7 @@ from helpers import GOLDEN_CASES, golden_case, golden_run
 from shram_static import StaticDecoder
 from shram_static.default_model import default_model
 from shram_static.export import ExportFormatError, export_pte, load_pte
-from shram_static.export.pte import lower_program, program_ops
+from shram_static.export.pte import lower_program, program_ops, quantize_int8
 from shram_static.tokenizer import ByteTokenizer, bytes_to_unicode
 
 CHUNK = 5  # golden cases: a chunk that divides neither the prompts nor the routing blocks
@@ -236,6 +236,17 @@ def test_export_argument_errors(tmp_path):
 # quantized twice) moves logits by O(1).
 INT8_MAX_DRIFT = 0.25
 INT8_MEAN_DRIFT = 0.03
+
+
+def test_int8_quantizes_every_linear_including_lm_head():
+    model = default_model()
+    q = quantize_int8(model)
+    lin = {n: m for n, m in q.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert "lm_head" in lin and len(lin) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    plain = [n for n, m in lin.items() if type(m.weight) in (torch.Tensor, torch.nn.Parameter)]
+    assert not plain, f"left in float: {plain}"
+    assert all(type(m.weight) in (torch.Tensor, torch.nn.Parameter) for m in model.modules()
+               if isinstance(m, torch.nn.Linear)), "the input model was modified"
 
 
 def test_int8(builtin, tmp_path):

@@ -7,6 +7,8 @@ import torch
 
 from helpers import GOLDEN_CASES, golden_case, random_ids, random_model, run_oracle
 
+from shram_static.entmax import entmax12
+
 
 # -- golden parity --------------------------------------------------------------------------
 @pytest.mark.parametrize("name", GOLDEN_CASES)
@@ -184,3 +186,19 @@ def test_bad_attention_mask(small, make, exc, words):
     assert "attention_mask" in msg
     for w in words:
         assert w in msg, msg
+
+
+def test_entmax12_matches_reference_package():
+    """The library's round-based bisection against the `entmax` package's 50-halving one,
+    over wide and narrow logit scales, ties, and one dominant expert."""
+    entmax = pytest.importorskip("entmax")
+    gen = torch.Generator().manual_seed(3)
+    for L, scale in ((8, 0.1), (16, 1.0), (16, 30.0), (64, 5.0)):
+        z = torch.randn(200, L, generator=gen) * scale
+        z[0] = 0.0  # all tied: uniform
+        z[1, 0] = 100.0  # one expert takes everything
+        ours = entmax12(z)
+        ref = entmax.entmax_bisect(z, alpha=1.2, dim=-1, n_iter=50)
+        assert (ours - ref).abs().max() <= 2e-6, (L, scale, (ours - ref).abs().max())
+        assert torch.allclose(ours.sum(-1), torch.ones(200), atol=1e-6)
+    assert torch.allclose(entmax12(torch.zeros(1, 8)), torch.full((1, 8), 1 / 8))

@@ -120,19 +120,11 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     from torchao.quantization.granularity import PerAxis
     from torchao.quantization.quant_api import Int8DynamicActivationIntxWeightConfig, quantize_
 
-    def cfg():
-        return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
-
     q = copy.deepcopy(model).eval()
-    quantize_(q, cfg(), filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
-    try:
-        with torch.no_grad():
-            q.logits(torch.zeros(1, model.config.embedding_width, dtype=next(model.parameters()).dtype))
-    except NotImplementedError:
-        # WHY: a model whose logits are `x @ lm_head.weight.t()` (not F.linear) cannot run a
-        # torchao int8 weight (it implements linear, not aten.t); keep lm_head in float then.
-        q = copy.deepcopy(model).eval()
-        quantize_(q, cfg(), filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn != "lm_head")
+    # Every nn.Linear, lm_head included: the model computes logits with F.linear, which a torchao
+    # int8 weight implements (it has no `aten.t`, so `x @ W.t()` would fail here).
+    quantize_(q, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0)),
+              filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
     return q
 
 
