@@ -12,3 +12,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command), keeps the tests
+    that share an expensive module fixture (an exported program, a compiled decoder) on one
+    worker, so each fixture is built once, while every other test is scheduled on its own.
+    Without xdist the marks are inert."""
+    for item in items:
+        defs = getattr(item, "_fixtureinfo", None)
+        if defs is None:
+            continue
+        shared = [name for name, fds in defs.name2fixturedefs.items()
+                  if name != "one_thread" and any(fd.scope == "module" for fd in fds)]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{','.join(sorted(shared))}"))
