@@ -13,6 +13,7 @@ write, so onnxruntime may alias each output state to its input.
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .attention import masked_attention
@@ -28,7 +29,7 @@ def _write(buf: torch.Tensor, rows: torch.Tensor, vals: torch.Tensor, inplace: b
 
 
 def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torch.Tensor,
-         live: torch.Tensor, ring: int, inplace: bool
+         live: torch.Tensor, ring: int, inplace: bool, linear=F.linear
          ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """Runs C tokens per row through the model, reading and updating the static state.
 
@@ -40,6 +41,8 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
         live: (B, C) bool, which tokens are live.
         ring: R, slots of the local ring (window + prefill_chunk - 1); C must be <= R - window + 1.
         inplace: mutate `state` (True) or return new tensors (False).
+        linear: `linear(x, w)` for the dense projections and lm_head (F.linear; the compiled
+            decode step passes `decoder.row_linear`).
 
     Returns:
         logits (B, C, V) (unspecified at dead tokens), the new state list, and the selected
@@ -82,13 +85,13 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
             nonlocal taken, lk, lv, sk, sv
             # Local path: write the chunk into the ring, then attend over the ring alone.
             la = layer.attention.local_attention
-            q, k, v = la.qkv(h)  # (B, H, C, u)
+            q, k, v = la.qkv(h, linear)  # (B, H, C, u)
             q, k = apply_rope(q, cos_l, sin_l), apply_rope(k, cos_l, sin_l)
             lk = _write(lk, ring_rows, k.reshape(-1, u), inplace)
             lv = _write(lv, ring_rows, v.reshape(-1, u), inplace)
             kr = lk.view(B, H, R + 1, u)[:, :, :R]  # (B, H, R, u)
             vr = lv.view(B, H, R + 1, u)[:, :, :R]
-            y = la.out(masked_attention(q, kr, vr, local_mask, local_scale))  # (B, C, d)
+            y = la.out(masked_attention(q, kr, vr, local_mask, local_scale), linear)  # (B, C, d)
 
             # Sparse path: route, then touch only the K selected experts of each token.
             sa = layer.attention.sparse_attention
@@ -123,9 +126,9 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
             taken = taken_new if not inplace else taken.copy_(taken_new)
             return y + torch.einsum("bcku,bckud,bck->bcd", ys, experts(bea.o_proj, idx), P)
 
-        x = layer(x, attn)
+        x = layer(x, attn, linear)
         new_state += [taken, lk, lv, sk, sv]
-    return model.logits(x), new_state, torch.stack(routing)
+    return model.logits(x, linear), new_state, torch.stack(routing)
 
 
 def experts(w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -146,18 +149,20 @@ class StepModule(nn.Module):
     Args:
         model: `ShramForCausalLM`.
         state: its `StaticState`.
+        linear: passed to `step` (default F.linear).
     """
 
-    def __init__(self, model, state: StaticState):
+    def __init__(self, model, state: StaticState, linear=F.linear):
         super().__init__()
         self.model = model
         self.state = state
+        self.linear = linear
         self.routing_log: list | None = None  # set to a list to record routing (eager only)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         """tokens (B, C) int64, input_pos (B,) int64, live (B, C) bool -> logits (B, C, V)."""
         logits, _, routing = step(self.model, self.state.tensors(), tokens, input_pos, live,
-                                  self.state.ring, inplace=True)
+                                  self.state.ring, inplace=True, linear=self.linear)
         if self.routing_log is not None:
             self.routing_log.append(routing)
         return logits

@@ -42,10 +42,11 @@ def inputs(cfg, n, seed, start=0):
     return ids, torch.full((B,), start, dtype=torch.long), live
 
 
-def test_decode_step_has_no_graph_breaks(model):
-    dec = StaticDecoder(model, batch_size=B, prefill_chunk=C)
+@pytest.mark.parametrize("batch", [B, 1])  # batch 1 decodes with row_linear when compiled
+def test_decode_step_has_no_graph_breaks(model, batch):
+    dec = StaticDecoder(model, batch_size=batch, prefill_chunk=C, compile=True)
     with torch.no_grad():
-        ex = torch._dynamo.explain(dec._decode_step)(*inputs(model.config, 1, 0))
+        ex = torch._dynamo.explain(dec._decode_step)(*(t[:batch] for t in inputs(model.config, 1, 0)))
     assert ex.graph_break_count == 0, ex.break_reasons
     assert ex.graph_count == 1
 
@@ -58,7 +59,8 @@ def test_prefill_step_has_no_graph_breaks(model):
     assert ex.graph_count == 1
 
 
-def test_compiled_steps_never_recompile_and_match_eager(model):
+@pytest.mark.parametrize("B", [B, 1])  # batch 1 decodes with row_linear when compiled
+def test_compiled_steps_never_recompile_and_match_eager(model, B):
     """Three prefill chunks and more than 2*window_size decode steps, all with fresh inputs of
     the same shapes, under fail_on_recompile; outputs equal eager at every step."""
     torch._dynamo.reset()
@@ -80,7 +82,7 @@ def test_compiled_steps_never_recompile_and_match_eager(model):
                                    atol=1e-4, rtol=1e-4)  # two more chunks
         for t in range(n_decode):
             tok = torch.randint(0, cfg.vocab_size, (B,), generator=gen)
-            active = torch.tensor([True, t % 3 != 1])
+            active = torch.tensor([True, t % 3 != 1])[:B]
             torch.testing.assert_close(comp.decode(tok, active), eager.decode(tok, active),
                                        atol=1e-4, rtol=1e-4)
         comp.reset(); eager.reset()  # position 0 again: same graph, no recompile

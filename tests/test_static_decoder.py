@@ -7,6 +7,7 @@ import torch
 
 from helpers import GOLDEN_CASES, golden_case, random_config, randomize_
 from shram_static import CapacityError, ShramForCausalLM, StaticDecoder, state_bytes
+from shram_static.decoder import row_linear
 
 TOL = 1e-3
 
@@ -268,3 +269,37 @@ def test_steps_get_canonical_contiguous_inputs(monkeypatch):
     shapes = {s[0][0] for s in seen}
     assert shapes == {(1, 4), (1, 1)}
     assert len(seen) == 2, seen
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_row_linear_equals_linear(dtype, tol):
+    """The compiled batch-1 decode's projection, eager and compiled, against a float64 product;
+    several rows or a column-major weight take F.linear."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(300, 96, generator=gen).to(dtype)
+    x = torch.randn(1, 1, 96, generator=gen).to(dtype)
+    want = (x.double() @ w.double().t()).float()
+    comp = torch.compile(row_linear, fullgraph=True, dynamic=False)
+    for f in (row_linear, comp):
+        got = f(x, w)
+        assert got.dtype == dtype and got.shape == (1, 1, 300)
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    x4 = torch.randn(4, 1, 96, generator=gen).to(dtype)
+    torch.testing.assert_close(row_linear(x4, w), torch.nn.functional.linear(x4, w), atol=0, rtol=0)
+    wc = w.t().contiguous().t()  # column-major: MKL's GEMV layout
+    torch.testing.assert_close(row_linear(x, wc), torch.nn.functional.linear(x, wc), atol=0, rtol=0)
+
+
+def test_weight_layout_follows_the_decode_path():
+    """Compiled batch-1 decode reduces rows of row-major weights; every other decoder hands MKL
+    column-major ones. Values never change."""
+    model = randomize_(ShramForCausalLM(random_config(4)), 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    lin = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    StaticDecoder(model, batch_size=1)
+    assert all(w.t().is_contiguous() for w in lin)
+    dec = StaticDecoder(model, batch_size=1, compile=True)
+    assert all(w.is_contiguous() for w in lin) and dec.decode_module.linear is row_linear
+    assert StaticDecoder(model, batch_size=2, compile=True).decode_module.linear is not row_linear
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
