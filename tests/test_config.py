@@ -6,30 +6,12 @@ import os
 import pytest
 
 from helpers import DATA, GOLDEN_CASES
+from oracle import CONFIG_DEFAULTS
 from shram_static import ShramConfig
 
-SPEC_DEFAULTS = {
-    "vocab_size": 50277,
-    "embedding_width": 512,
-    "mlp_width": 1366,
-    "num_decoder_layers": 12,
-    "num_sliding_window_heads": 16,
-    "num_mosrah_heads": 16,
-    "num_selected_heads": 16,
-    "head_dim": 16,
-    "window_size": 128,
-    "rope_mode": "main_sequence",
-    "rms_norm_eps": 1e-5,
-    "local_rope_theta": 10000.0,
-    "mosrah_rope_theta": 10000.0,
-    "training_sequence_length": 1024,
-    "inference_sequence_length": 1024,
-    "alpha": 1.0,
-    "beta": 32.0,
-    "attention_dropout": 0.0,
-    "tie_word_embeddings": False,
-    "use_residual_gate": True,
-}
+# SPEC A.1 defaults as transcribed once for the oracle; inference_sequence_length resolves to
+# training_sequence_length.
+SPEC_DEFAULTS = {**CONFIG_DEFAULTS, "inference_sequence_length": 1024}
 FIELDS = list(SPEC_DEFAULTS)
 
 
