@@ -54,7 +54,8 @@ class StaticDecoder(HostDecoder):
         batch_size: B rows.
         prefill_chunk: C tokens per prefill step (prompts are split into C-token chunks).
         compile: wrap both steps in `torch.compile(fullgraph=True, dynamic=False)`; each
-            compiles once, on first use.
+            compiles once, on first use. With batch_size 1 on CPU the compiled decode step
+            runs its projections as `row_linear` (row-major weights); see `weight_layout_`.
         eos_token_id: id that ends a row in `generate`.
 
     The decode step is `decode_step(tokens (B, 1), input_pos (B,), live (B, 1))`, the prefill
