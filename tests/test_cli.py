@@ -69,8 +69,7 @@ def test_module_error_exits_2(tmp_path):
 def test_installed_entry_point(builtin_expected):
     """The `shram-static` console script that `pip install -e .` puts on PATH."""
     exe = shutil.which("shram-static")
-    if exe is None:
-        pytest.skip("shram-static is not installed (pip install -e . puts it on PATH)")
+    assert exe is not None, "shram-static is not on PATH: the package's console script did not install"
     r = _run(exe, "generate", "--prompt", "Hello", "--max-new-tokens", "8")
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.decode("utf-8") == builtin_expected + "\n"

@@ -53,26 +53,18 @@ class _Decode1(nn.Module):
         return self.step(tokens, input_pos, live)[:, -1, :]
 
 
-class _DecodeB(nn.Module):
-    """Batched decode step: `(tokens [B, 1], input_pos [B], live [B, 1]) -> logits [B, V]`."""
+class _Chunk(nn.Module):
+    """Batched step with live flags: `(tokens [B, C], input_pos [B], live [B, C])` -> logits
+    `[B, C, V]` (prefill), or `[B, V]` with `last=True` (the batched decode method, C = 1)."""
 
-    def __init__(self, step: StepModule):
+    def __init__(self, step: StepModule, last: bool):
         super().__init__()
         self.step = step
+        self.last = last
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        return self.step(tokens, input_pos, live)[:, -1, :]
-
-
-class _Prefill(nn.Module):
-    """Chunk step: `(tokens [B, C], input_pos [B], live [B, C]) -> logits [B, C, V]`."""
-
-    def __init__(self, step: StepModule):
-        super().__init__()
-        self.step = step
-
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        return self.step(tokens, input_pos, live)
+        logits = self.step(tokens, input_pos, live)
+        return logits[:, -1, :] if self.last else logits
 
 
 def check_export_args(cfg: ShramConfig, batch_size, prefill_chunk, eos_token_id) -> None:
@@ -226,14 +218,14 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int = 32, quantize:
     if B == 1:
         dec, dec_args = _Decode1(step), (torch.zeros(1, 1, **i64), torch.zeros(1, **i64))
     else:
-        dec, dec_args = _DecodeB(step), (torch.zeros(B, 1, **i64), torch.zeros(B, **i64),
+        dec, dec_args = _Chunk(step, last=True), (torch.zeros(B, 1, **i64), torch.zeros(B, **i64),
                                          torch.ones(B, 1, dtype=torch.bool))
     pre_args = (torch.zeros(B, C, **i64), torch.zeros(B, **i64), torch.ones(B, C, dtype=torch.bool))
     # no_grad: in-place writes into buffers computed from parameters that require grad fail in
     # ExecuTorch's passes. strict=True: the mode the stack was probed with.
     with torch.no_grad():
         ep_dec = torch.export.export(dec, dec_args, strict=True)
-        ep_pre = torch.export.export(_Prefill(step), pre_args, strict=True)
+        ep_pre = torch.export.export(_Chunk(step, last=False), pre_args, strict=True)
     meta = {
         "format": FORMAT, "batch_size": B, "prefill_chunk": C, "quantize": quantize,
         "dtype": str(dtype).replace("torch.", ""), "decode_method": decode_name,
