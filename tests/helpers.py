@@ -58,9 +58,10 @@ def random_config(seed: int, **overrides) -> ShramConfig:
 
 
 @torch.no_grad()
-def randomize_(model: ShramForCausalLM, seed: int) -> ShramForCausalLM:
+def randomize_(model: ShramForCausalLM, seed: int, fan_in: bool = False) -> ShramForCausalLM:
     """Sets every parameter AND the residual-scale buffers to random nonzero values, so no
-    sublayer is hidden: projections normal * 0.3, norms 1 + 0.2 * normal, gates uniform(0.3, 1.5)."""
+    sublayer is hidden: projections normal * 0.3 (normal / sqrt(fan_in) with `fan_in`, which
+    keeps activations O(1) in wider models), norms 1 + 0.2 * normal, gates uniform(0.3, 1.5)."""
     gen = torch.Generator().manual_seed(seed)
     tensors = dict(model.named_parameters())
     tensors.update((n, b) for n, b in model.named_buffers() if n.endswith("residual_scale"))
@@ -72,6 +73,8 @@ def randomize_(model: ShramForCausalLM, seed: int) -> ShramForCausalLM:
             v = 1.0 + 0.2 * torch.randn(t.shape, generator=gen)
         elif name == "embed_tokens.weight":
             v = torch.randn(t.shape, generator=gen)
+        elif fan_in:  # (out, in) nn.Linear weights; (L, d, u) / (L, u, d) experts read dim -2
+            v = torch.randn(t.shape, generator=gen) / (t.shape[-1] if t.dim() == 2 else t.shape[-2]) ** 0.5
         else:
             v = 0.3 * torch.randn(t.shape, generator=gen)
         t.copy_(v.to(t.dtype))
@@ -81,6 +84,19 @@ def randomize_(model: ShramForCausalLM, seed: int) -> ShramForCausalLM:
 def random_model(seed: int, **overrides) -> ShramForCausalLM:
     """`randomize_(ShramForCausalLM(random_config(seed, **overrides)), seed)` in eval mode."""
     return randomize_(ShramForCausalLM(random_config(seed, **overrides)), seed).eval()
+
+
+# The export tests' model: the shape of the first built-in model (byte vocabulary, d=64, 2 layers,
+# 8 experts of which 2 are selected, window 16, capacity 256), independent of whatever the
+# package ships as its built-in model, so lowering time and recorded op counts stay put.
+TINY_CONFIG = dict(vocab_size=259, embedding_width=64, mlp_width=192, num_decoder_layers=2,
+                   num_sliding_window_heads=4, num_mosrah_heads=8, num_selected_heads=2,
+                   head_dim=16, window_size=16, training_sequence_length=256)
+
+
+def tiny_model(seed: int = 7) -> ShramForCausalLM:
+    """`TINY_CONFIG` with randomised weights (`randomize_`), eval mode."""
+    return randomize_(ShramForCausalLM(ShramConfig(**TINY_CONFIG)), seed, fan_in=True).eval()
 
 
 def random_ids(config: ShramConfig, batch: int, length: int, seed: int) -> torch.Tensor:

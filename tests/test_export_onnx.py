@@ -10,10 +10,9 @@ import onnx
 import pytest
 import torch
 
-from helpers import GOLDEN_CASES, golden_case, golden_run
+from helpers import GOLDEN_CASES, golden_case, golden_run, tiny_model
 
 from shram_static import StaticDecoder
-from shram_static.default_model import default_model
 from shram_static.export import ExportFormatError, export_onnx, load_onnx
 from shram_static.export.onnx import graph_paths
 
@@ -22,8 +21,8 @@ CHUNK = 5
 
 @pytest.fixture(scope="module")
 def builtin(tmp_path_factory):
-    """(paths, model) of the built-in model exported for batch 2, chunk 8."""
-    model = default_model()
+    """(paths, model) of the tiny test model (helpers.tiny_model) exported for batch 2, chunk 8."""
+    model = tiny_model()
     paths = export_onnx(model, tmp_path_factory.mktemp("onnx") / "m.onnx", batch_size=2, prefill_chunk=8,
                         eos_token_id=257)
     return paths, model
@@ -57,7 +56,7 @@ def test_graph_contract(builtin):
         meta = json.loads(props["shram_export"])
         assert meta["role"] == role and meta["batch_size"] == 2 and meta["prefill_chunk"] == 8
         # weights live in the shared data file, not in the graph: only small tensors (norm
-        # scales, index tables) stay inline. (File size is no proxy: on the built-in model the
+        # scales, index tables) stay inline. (File size is no proxy: on the tiny test model (helpers.tiny_model) the
         # graph structure alone is about as large as the weights.)
         inline = [t for t in m.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
         assert all(len(t.raw_data) < 1024 for t in inline), [t.name for t in inline if len(t.raw_data) >= 1024]

@@ -11,10 +11,9 @@ import os
 import pytest
 import torch
 
-from helpers import GOLDEN_CASES, golden_case, golden_run
+from helpers import GOLDEN_CASES, golden_case, golden_run, tiny_model
 
 from shram_static import StaticDecoder
-from shram_static.default_model import default_model
 from shram_static.export import ExportFormatError, export_pte, load_pte
 from shram_static.export.pte import lower_program, program_ops, quantize_int8
 from shram_static.tokenizer import ByteTokenizer, bytes_to_unicode
@@ -22,7 +21,7 @@ from shram_static.tokenizer import ByteTokenizer, bytes_to_unicode
 CHUNK = 5  # golden cases: a chunk that divides neither the prompts nor the routing blocks
 EOS = ByteTokenizer.eos_token_id
 
-# Portable kernels the built-in model's program may call (everything else is inside the
+# Portable kernels the tiny test model (helpers.tiny_model)'s program may call (everything else is inside the
 # XNNPACK delegate). A new kernel here must be deliberate: check it exists in the runtime
 # (`Runtime.get().operator_registry`) of the phones/boards you deploy to.
 ALLOWED_KERNELS = {
@@ -37,7 +36,7 @@ ALLOWED_KERNELS = {
     "aten::select_copy.int_out", "aten::sub.out", "aten::sum.IntList_out", "aten::topk.values",
     "aten::unsqueeze_copy.out", "aten::where.self_out", "dim_order_ops::_to_dim_order_copy.out",
 }
-# Recorded on the built-in model (2 layers), batch 1, chunk 8: portable-kernel calls and the
+# Recorded on the tiny test model (helpers.tiny_model) (2 layers), batch 1, chunk 8: portable-kernel calls and the
 # share of ops left to portable kernels, portable / (portable + delegated). Lower them when the
 # graph improves; a rise fails the test.
 RECORDED = {"forward": {"portable": 424, "delegate_calls": 35, "share": 0.43},
@@ -46,8 +45,8 @@ RECORDED = {"forward": {"portable": 424, "delegate_calls": 35, "share": 0.43},
 
 @pytest.fixture(scope="module")
 def builtin(tmp_path_factory):
-    """(path, ExecutorchProgramManager, model) of the built-in model, batch 1, chunk 8."""
-    model = default_model()
+    """(path, ExecutorchProgramManager, model) of the tiny test model (helpers.tiny_model), batch 1, chunk 8."""
+    model = tiny_model()
     et = lower_program(model, batch_size=1, prefill_chunk=8, eos_token_id=EOS)
     path = tmp_path_factory.mktemp("pte") / "builtin.pte"
     path.write_bytes(et.buffer)
@@ -220,7 +219,7 @@ def test_host_validation_keeps_state(builtin):
 
 
 def test_export_argument_errors(tmp_path):
-    model = default_model()
+    model = tiny_model()
     with pytest.raises(ValueError, match="quantize"):
         export_pte(model, tmp_path / "x.pte", quantize="int4")
     with pytest.raises(ValueError, match="prefill_chunk"):
@@ -231,7 +230,7 @@ def test_export_argument_errors(tmp_path):
 
 # Drift bound for int8 (dynamic per-token int8 activations x per-channel int8 weights on every
 # nn.Linear): each quantized matmul adds a relative error of about 2^-8 of its operands' range;
-# the built-in model's logits span about +-4.2 and measured drift was max 0.09, mean 0.012 over a
+# the tiny test model (helpers.tiny_model)'s logits span about +-4.2 and measured drift was max 0.09, mean 0.012 over a
 # 100-token prompt. The bounds leave ~2.5x headroom; a broken quantization (wrong scales, a layer
 # quantized twice) moves logits by O(1).
 INT8_MAX_DRIFT = 0.25
@@ -239,7 +238,7 @@ INT8_MEAN_DRIFT = 0.03
 
 
 def test_int8_quantizes_every_linear_including_lm_head():
-    model = default_model()
+    model = tiny_model()
     q = quantize_int8(model)
     lin = {n: m for n, m in q.named_modules() if isinstance(m, torch.nn.Linear)}
     assert "lm_head" in lin and len(lin) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
