@@ -4,13 +4,23 @@ Fixed-shape state, branchless prefill/decode steps that compile with
 `torch.compile(fullgraph=True)` and export to ExecuTorch and ONNX.
 """
 
+from transformers import AutoConfig, AutoModelForCausalLM
+
 from .config import ShramConfig
 from .decoder import StaticDecoder
 from .host import CapacityError, HostDecoder
 from .model import CausalLMOutput, ShramForCausalLM
+from .cache import ShramCache
+from .generation import TextTokenStreamer
 from .checkpoint import CheckpointError
 from .state import StaticState, state_bytes
 
-__all__ = ["ShramConfig", "ShramForCausalLM", "CausalLMOutput", "StaticDecoder", "HostDecoder",
-           "StaticState", "state_bytes", "CapacityError", "CheckpointError"]
+# Auto classes: `AutoConfig/AutoModelForCausalLM.from_pretrained(dir)` load a SHRAM checkpoint
+# (also one written by the original code, whose `auto_map` points at remote code) into this
+# package, without trust_remote_code. exist_ok: re-importing (e.g. importlib.reload) is fine.
+AutoConfig.register(ShramConfig.model_type, ShramConfig, exist_ok=True)
+AutoModelForCausalLM.register(ShramConfig, ShramForCausalLM, exist_ok=True)
+
+__all__ = ["ShramConfig", "ShramForCausalLM", "CausalLMOutput", "ShramCache", "TextTokenStreamer",
+           "StaticDecoder", "HostDecoder", "StaticState", "state_bytes", "CapacityError", "CheckpointError"]
 __version__ = "0.1.0"

@@ -3,23 +3,38 @@
 import torch
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale, masked) v, with rows that see nothing giving 0.
+def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive score bias for `masked_attention`: 0 where `mask` (bool (..., Q, S)) is True,
+    finfo(dtype).min / 2 elsewhere (finite, not -inf: softmax of an all--inf row is NaN, and
+    NaN * 0 stays NaN).
+
+    WHY a bias instead of `where(mask, s, -inf)` inside the attention: a step computes the local
+    path's bias once and every layer reuses it, and the per-layer add stays inside the XNNPACK
+    delegate (`where` and comparisons run on ExecuTorch's portable kernels and split it).
+    """
+    return torch.where(mask, 0.0, torch.finfo(dtype).min / 2).to(dtype)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                     scale: float, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale + bias) v, with rows that see nothing giving 0.
 
     Explicit matmul + masked softmax rather than SDPA: SDPA's fully-masked rows give 0 in
     eager/ExecuTorch but mean(V) in the ONNX export (TOOLCHAIN_NOTES), and neither backend has
     a fused attention kernel to gain.
 
     Args:
-        q: (..., Q, u); k, v: (..., S, u); mask: bool broadcastable to (..., Q, S).
+        q: (..., Q, u); k, v: (..., S, u).
+        bias: `attention_bias(mask)`, broadcastable to (..., Q, S).
+        seen: `mask.any(-1, keepdim=True)` as 1.0/0.0, broadcastable to (..., Q, 1), zeroing
+            rows that see no key; None when every query sees at least one key.
         scale: score scale.
 
     Returns:
         (..., Q, u).
     """
-    s = (q @ k.transpose(-1, -2)) * scale  # (..., Q, S)
-    # finfo.min instead of -inf: softmax of an all--inf row is NaN, and NaN * 0 stays NaN.
-    s = torch.where(mask, s, torch.finfo(s.dtype).min)
-    a = torch.softmax(s, dim=-1) * mask.any(-1, keepdim=True).to(s.dtype)
+    s = (q @ k.transpose(-1, -2)) * scale + bias  # (..., Q, S)
+    a = torch.softmax(s, dim=-1)
+    if seen is not None:
+        a = a * seen
     return a @ v

@@ -1,10 +1,15 @@
 """Throughput benchmark: `shram-static bench` (or `python -m shram_static.bench`).
 
-For each model (the issue's bench config and the built-in model), backend (eager,
-compiled) and batch size it reports prefill and decode tokens per second at context 64 and
-near capacity, compile time and peak memory, next to the machine's floor: the bytes a decode
-step must read divided by the memory read bandwidth measured here. Each configuration runs in
-its own subprocess so its peak RSS and compile caches are its own.
+For each model (the issue's bench config, the built-in model, or a checkpoint), backend
+(eager, compiled, pte, pte-int8, onnx) and batch size it reports decode ms/step over a range of
+contexts (64 up to near capacity), prefill tokens/s, export or compile warm-up time, artifact
+size and peak RSS, and each decode time as a ratio to compiled torch and to the machine's floor:
+the bytes a decode step must read divided by the memory read bandwidth measured in the same run
+(this machine's bandwidth reading swings by 2x between runs, so only same-run ratios compare).
+
+Every measurement runs in a subprocess of its own, so its peak RSS and compile caches are its
+own; an exported backend is exported in one subprocess and run from the file in another, so
+its peak RSS is the runtime's, not the exporter's.
 """
 
 import argparse
@@ -13,6 +18,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -21,18 +27,24 @@ BENCH_CONFIG = dict(vocab_size=50277, embedding_width=512, mlp_width=1366, num_d
                     num_sliding_window_heads=16, num_mosrah_heads=16, num_selected_heads=4,
                     head_dim=16, window_size=128, training_sequence_length=1024,
                     inference_sequence_length=2048)
+BACKENDS = ("eager", "compiled", "pte", "pte-int8", "pte-8da4w", "onnx")
+EXPORTED = {"pte": ("pte", None), "pte-int8": ("pte", "int8"), "pte-8da4w": ("pte", "8da4w"), "onnx": ("onnx", None)}
 
 
 def build_model(name: str):
+    """'bench' (the bench config, seeded weights), 'builtin', or a checkpoint directory."""
     from .config import ShramConfig
     from .model import ShramForCausalLM
     if name == "builtin":
         from .default_model import default_model
         return default_model()
     if name == "bench":
-        torch.manual_seed(0)
-        return ShramForCausalLM(ShramConfig(**BENCH_CONFIG))
-    raise ValueError(f"unknown model {name!r}: use 'bench' or 'builtin'")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return ShramForCausalLM(ShramConfig(**BENCH_CONFIG))
+    if os.path.isdir(name):
+        return ShramForCausalLM.from_pretrained(name)
+    raise ValueError(f"unknown model {name!r}: use 'bench', 'builtin' or a checkpoint directory")
 
 
 def measure_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
@@ -48,7 +60,7 @@ def measure_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
 
 
 def decode_read_bytes(model, batch_size: int, prefill_chunk: int) -> int:
-    """Bytes one decode step must read: every weight but the embedding table (one row per
+    """Bytes one fp32 decode step must read: every weight but the embedding table (one row per
     row of the batch), the K selected experts' weights only, plus the cache rows attended."""
     cfg = model.config
     es = next(model.parameters()).element_size()
@@ -64,95 +76,194 @@ def decode_read_bytes(model, batch_size: int, prefill_chunk: int) -> int:
     return (n + cfg.num_decoder_layers * cache) * es
 
 
-def run_one(model_name: str, backend: str, batch_size: int, prefill_chunk: int, steps: int) -> dict:
+def contexts(capacity: int, steps: int) -> list[int]:
+    """Context lengths measured: 64, quarter, half and three quarters of capacity, and near it."""
+    near = capacity - steps - 1
+    return sorted({c for c in (64, capacity // 4, capacity // 2, 3 * capacity // 4, near) if 0 < c <= near})
+
+
+def artifact_path(out_dir: str, backend: str) -> str:
+    fmt, quant = EXPORTED[backend]
+    return os.path.join(out_dir, f"model{'.' + quant if quant else ''}.{fmt}")
+
+
+def export_one(model_name: str, backend: str, batch_size: int, prefill_chunk: int, out_dir: str) -> dict:
+    """Exports one artifact in this process; returns export time and file size."""
+    from .export import export_onnx, export_pte
+    model = build_model(model_name)
+    path = artifact_path(out_dir, backend)
+    t = time.perf_counter()
+    if backend == "onnx":
+        files = list(export_onnx(model, path, batch_size=batch_size, prefill_chunk=prefill_chunk).values())
+    else:
+        files = [export_pte(model, path, batch_size=batch_size, prefill_chunk=prefill_chunk,
+                            quantize=EXPORTED[backend][1])]
+    return dict(export_s=round(time.perf_counter() - t, 1),
+                file_mib=round(sum(os.path.getsize(f) for f in files) / 2**20, 1),
+                export_peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
+
+
+def run_one(model_name: str, backend: str, batch_size: int, prefill_chunk: int, steps: int,
+            out_dir: str | None = None) -> dict:
     """Benchmarks one configuration in this process; returns a result dict."""
     from .decoder import StaticDecoder
+    from .state import state_bytes
     torch.manual_seed(0)
     model = build_model(model_name)
     cfg = model.config
     B, S = batch_size, cfg.inference_sequence_length
-    dec = StaticDecoder(model, batch_size=B, prefill_chunk=prefill_chunk, compile=backend == "compiled")
+    t = time.perf_counter()
+    if backend in ("eager", "compiled"):
+        dec = StaticDecoder(model, batch_size=B, prefill_chunk=prefill_chunk, compile=backend == "compiled")
+    elif backend == "onnx":
+        from .export import load_onnx
+        dec = load_onnx(artifact_path(out_dir, backend))
+    else:
+        from .export import load_pte
+        dec = load_pte(artifact_path(out_dir, backend))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
-    t = time.perf_counter()
-    dec.prefill(ids[:, :prefill_chunk])  # first calls compile (compiled backend)
+    dec.prefill(ids[:, :prefill_chunk])  # the first calls compile (compiled backend)
     dec.decode(ids[:, 0])
-    warm = time.perf_counter() - t
-    res = dict(model=model_name, backend=backend, batch=B, chunk=prefill_chunk, warmup_s=round(warm, 2),
-               read_bytes=decode_read_bytes(model, B, prefill_chunk), state_bytes=dec.state.nbytes())
-    near = S - steps - 1
-    for label, ctx in (("ctx64", 64), ("near_capacity", near)):
+    res = dict(model=model_name, backend=backend, batch=B, chunk=prefill_chunk,
+               warmup_s=round(time.perf_counter() - t, 2), read_bytes=decode_read_bytes(model, B, prefill_chunk),
+               state_bytes=state_bytes(cfg, B, prefill_chunk), points=[])
+    for ctx in contexts(S, steps):
         dec.reset()
-        n_prefill = ctx
         t = time.perf_counter()
-        dec.prefill(ids[:, :n_prefill])
+        dec.prefill(ids[:, :ctx])
         tp = time.perf_counter() - t
         times = []
         for i in range(steps):
             t = time.perf_counter()
-            dec.decode(ids[:, n_prefill + i])
+            dec.decode(ids[:, ctx + i])
             times.append(time.perf_counter() - t)
         times.sort()
         med = times[len(times) // 2]
-        res[label] = dict(context=ctx, prefill_tok_s=round(B * n_prefill / tp, 1),
-                          decode_ms=round(1e3 * med, 3), decode_tok_s=round(B / med, 1))
+        res["points"].append(dict(context=ctx, prefill_tok_s=round(B * ctx / tp, 1),
+                                  decode_ms=round(1e3 * med, 3), decode_tok_s=round(B / med, 1)))
     res["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return res
 
 
-def _worker(args) -> None:
-    torch.set_num_threads(args.threads or torch.get_num_threads())
-    print(json.dumps(run_one(args.model, args.backend, args.batch_size, args.prefill_chunk, args.steps)))
+def add_ratios(results: list[dict], bandwidth: float) -> None:
+    """Adds the floor and, per context point, decode time / floor and decode time / compiled
+    torch's at the same model, batch size and context (None without a compiled result)."""
+    compiled = {(r["model"], r["batch"]): r for r in results if r["backend"] == "compiled"}
+    for r in results:
+        r["floor_ms"] = round(1e3 * r["read_bytes"] / bandwidth, 3)
+        ref = compiled.get((r["model"], r["batch"]))
+        ref_ms = {p["context"]: p["decode_ms"] for p in ref["points"]} if ref else {}
+        for p in r["points"]:
+            p["x_floor"] = round(p["decode_ms"] / r["floor_ms"], 2)
+            p["x_compiled"] = round(p["decode_ms"] / ref_ms[p["context"]], 2) if p["context"] in ref_ms else None
+
+
+def _subprocess(args: list[str]) -> dict:
+    p = subprocess.run([sys.executable, "-m", "shram_static.bench", *args], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"benchmark worker {' '.join(args)} failed:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def bench(args) -> int:
-    jobs = [(m, be, b) for m in args.models for be in args.backends for b in args.batch_sizes]
+    bad = [b for b in args.backends if b not in BACKENDS]
+    if bad:
+        raise ValueError(f"unknown backends {bad}: choose from {BACKENDS}")
+    bad = [m for m in args.models if m not in ("bench", "builtin") and not os.path.isdir(m)]
+    if bad:
+        raise ValueError(f"unknown models {bad}: use 'bench', 'builtin' or checkpoint directories")
+    if any(b < 1 for b in args.batch_sizes) or args.steps < 1 or args.prefill_chunk < 1:
+        raise ValueError("--batch-sizes, --steps and --prefill-chunk must be positive")
+    jobs = [(m, be, b) for m in args.models for b in args.batch_sizes for be in args.backends]
     bw = measure_bandwidth()
     print(f"memory read bandwidth (torch.sum over 1 GiB, {torch.get_num_threads()} threads): "
           f"{bw / 1e9:.1f} GB/s", flush=True)
     results = []
-    for i, (m, be, b) in enumerate(jobs, 1):
-        print(f"[{i}/{len(jobs)}] model={m} backend={be} batch={b} ...", file=sys.stderr, flush=True)
-        cmd = [sys.executable, "-m", "shram_static.bench", "--worker", "--model", m, "--backend", be,
-               "--batch-size", str(b), "--prefill-chunk", str(args.prefill_chunk), "--steps", str(args.steps)]
-        t = time.perf_counter()
-        p = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
-        if p.returncode != 0:
-            print(f"  failed:\n{p.stderr[-2000:]}", file=sys.stderr)
-            return 1
-        r = json.loads(p.stdout.strip().splitlines()[-1])
-        r["floor_ms"] = round(1e3 * r["read_bytes"] / bw, 3)
-        results.append(r)
-        print(f"  done in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="shram_bench_") as tmp:
+        for i, (m, be, b) in enumerate(jobs, 1):
+            common = ["--model", m, "--backend", be, "--batch-size", str(b),
+                      "--prefill-chunk", str(args.prefill_chunk), "--steps", str(args.steps)]
+            out_dir = os.path.join(tmp, f"{i}")
+            os.makedirs(out_dir)
+            t = time.perf_counter()
+            exported = {}
+            if be in EXPORTED:
+                print(f"[{i}/{len(jobs)}] exporting model={m} backend={be} batch={b} "
+                      f"(minutes for a large model) ...", file=sys.stderr, flush=True)
+                exported = _subprocess(["--worker", "export", "--out-dir", out_dir, *common])
+            print(f"[{i}/{len(jobs)}] running model={m} backend={be} batch={b} ...", file=sys.stderr, flush=True)
+            r = _subprocess(["--worker", "run", "--out-dir", out_dir, *common])
+            r.update(exported)
+            results.append(r)
+            print(f"  done in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+    add_ratios(results, bw)
+    for r in results:
         print(format_row(r), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(bandwidth_bytes_s=bw, results=results), f, indent=1)
+    if args.plot:
+        plot(results, args.plot)
     return 0
 
 
 def format_row(r: dict) -> str:
-    a, z = r["ctx64"], r["near_capacity"]
-    return (f"{r['model']:>7} {r['backend']:>8} B={r['batch']}: "
-            f"decode {a['decode_ms']:.2f} ms/step ({a['decode_tok_s']:.1f} tok/s) @ctx64, "
-            f"{z['decode_ms']:.2f} ms/step @ctx{z['context']} | floor {r['floor_ms']:.2f} ms "
-            f"({r['read_bytes'] / 1e6:.1f} MB) | prefill {a['prefill_tok_s']:.0f} tok/s @64, "
-            f"{z['prefill_tok_s']:.0f} tok/s @{z['context']} | warm-up {r['warmup_s']:.1f} s | "
-            f"state {r['state_bytes'] / 2**20:.1f} MiB | peak RSS {r['peak_rss_mib']:.0f} MiB")
+    a, z = r["points"][0], r["points"][-1]
+    ratio = lambda p: (f" = {p['x_compiled']:.2f}x compiled" if p["x_compiled"] is not None else "")  # noqa: E731
+    built = (f"export {r['export_s']:.0f} s, file {r['file_mib']:.1f} MiB" if "export_s" in r
+             else f"warm-up {r['warmup_s']:.1f} s")
+    return (f"{r['model']:>7} {r['backend']:>8} B={r['batch']}: decode {a['decode_ms']:.2f} ms "
+            f"@ctx{a['context']} ({a['x_floor']:.2f}x floor{ratio(a)}), {z['decode_ms']:.2f} ms "
+            f"@ctx{z['context']} ({z['x_floor']:.2f}x floor{ratio(z)}) | floor {r['floor_ms']:.2f} ms "
+            f"({r['read_bytes'] / 1e6:.1f} MB) | prefill {a['prefill_tok_s']:.0f} tok/s @{a['context']}, "
+            f"{z['prefill_tok_s']:.0f} @{z['context']} | {built} | state {r['state_bytes'] / 2**20:.1f} MiB "
+            f"| peak RSS {r['peak_rss_mib']:.0f} MiB")
+
+
+def plot(results: list[dict], path: str) -> None:
+    """Decode ms/step against context, one line per (model, backend, batch), floors dashed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError(f"--plot needs matplotlib (pip install matplotlib): {e}") from e
+    fig, ax = plt.subplots(figsize=(8, 5))
+    floors = {}
+    for r in results:
+        xs = [p["context"] for p in r["points"]]
+        ax.plot(xs, [p["decode_ms"] for p in r["points"]], marker="o",
+                label=f"{r['model']} {r['backend']} B={r['batch']}")
+        floors[(r["model"], r["batch"])] = (r["floor_ms"], xs)
+    for (m, b), (f, xs) in floors.items():
+        ax.hlines(f, min(xs), max(xs), linestyles="dashed", colors="gray")
+        ax.annotate(f"floor {m} B={b}", (max(xs), f), fontsize=8, ha="right", va="bottom")
+    ax.set_xlabel("context (tokens held per row)")
+    ax.set_ylabel("decode ms / step")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models", nargs="+", default=["builtin", "bench"], choices=["builtin", "bench"])
-    p.add_argument("--backends", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    p.add_argument("--models", nargs="+", default=["builtin", "bench"],
+                   help="'builtin', 'bench' (the 12-layer bench config) or checkpoint directories")
+    p.add_argument("--backends", nargs="+", default=["eager", "compiled"], choices=BACKENDS)
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4])
     p.add_argument("--prefill-chunk", type=int, default=32)
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per context")
     p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--plot", metavar="FILE.png", help="plot decode ms/step against context")
 
 
 def register(subparsers) -> None:
     """Adds the `bench` subcommand to the CLI."""
-    p = subparsers.add_parser("bench", help="prefill/decode throughput, eager vs compiled, vs the bandwidth floor")
+    p = subparsers.add_parser("bench", help="decode/prefill speed of every backend vs compiled torch and "
+                                            "the bandwidth floor")
     add_arguments(p)
     p.set_defaults(func=bench)
 
@@ -160,14 +271,18 @@ def register(subparsers) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m shram_static.bench", description=__doc__)
     add_arguments(p)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["export", "run"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--backend", help=argparse.SUPPRESS)
     p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--threads", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.worker:
-        _worker(args)
+    if args.worker == "export":
+        print(json.dumps(export_one(args.model, args.backend, args.batch_size, args.prefill_chunk, args.out_dir)))
+        return 0
+    if args.worker == "run":
+        print(json.dumps(run_one(args.model, args.backend, args.batch_size, args.prefill_chunk, args.steps,
+                                 args.out_dir)))
         return 0
     return bench(args)
 

@@ -30,9 +30,40 @@ def _some(items: list[str], n: int = 10) -> str:
     return f"{items[:n]}{more}"
 
 
-def load_pretrained(cls, path, dtype: torch.dtype = torch.float32):
+# Options transformers' Auto classes (and hub-style callers) pass on to `from_pretrained`; none
+# of them changes how a local directory loads.
+IGNORED_KWARGS = frozenset({"_from_auto", "adapter_kwargs", "trust_remote_code", "revision", "cache_dir",
+                            "force_download", "local_files_only", "proxies", "token", "code_revision",
+                            "_commit_hash"})
+
+
+def _resolve_kwargs(path: str, dtype, kwargs: dict):
+    """(path, dtype) after the Auto-class options: `subfolder`, `torch_dtype` (alias of dtype)."""
+    if kwargs.get("torch_dtype") is not None:
+        dtype = kwargs.pop("torch_dtype")
+    kwargs.pop("torch_dtype", None)
+    if kwargs.get("subfolder"):
+        path = os.path.join(path, kwargs.pop("subfolder"))
+    kwargs.pop("subfolder", None)
+    unknown = sorted(k for k in kwargs if k not in IGNORED_KWARGS)
+    if unknown:
+        raise TypeError(f"ShramForCausalLM.from_pretrained got unsupported keyword arguments {unknown}; "
+                        f"it takes a local checkpoint directory, dtype= and config=")
+    if isinstance(dtype, str):
+        if dtype != "auto" and not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
+        dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    if dtype != "auto" and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch.dtype or 'auto', got {dtype!r}")
+    return path, dtype
+
+
+def load_pretrained(cls, path, dtype: torch.dtype | str = torch.float32, config: ShramConfig | None = None,
+                    **kwargs):
     """See `ShramForCausalLM.from_pretrained`."""
-    path = os.fspath(path)
+    path, dtype = _resolve_kwargs(os.fspath(path), dtype, kwargs)
+    if config is not None and not isinstance(config, ShramConfig):
+        raise TypeError(f"config must be a ShramConfig, got {type(config).__name__}")
     if os.path.exists(path) and not os.path.isdir(path):
         raise NotADirectoryError(f"{path!r} is a file; give the checkpoint directory that holds "
                                  f"{CONFIG_FILE} and {WEIGHTS_FILE}")
@@ -41,22 +72,8 @@ def load_pretrained(cls, path, dtype: torch.dtype = torch.float32):
     for f in (CONFIG_FILE, WEIGHTS_FILE):
         if not os.path.isfile(os.path.join(path, f)):
             raise FileNotFoundError(f"checkpoint directory {path!r} has no {f}")
-    config_path = os.path.join(path, CONFIG_FILE)
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{config_path} is not valid JSON: {e}") from e
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{config_path} must hold a JSON object of config fields, got a "
-                              f"JSON {type(raw).__name__}")
-    if raw.get("model_type", ShramConfig.model_type) != ShramConfig.model_type:
-        raise CheckpointError(f"{config_path} has model_type {raw['model_type']!r}; this package loads "
-                              f"only {ShramConfig.model_type!r} checkpoints")
-    try:
-        config = ShramConfig.from_json_file(config_path)
-    except (ValueError, TypeError) as e:
-        raise CheckpointError(f"{config_path} is not a valid SHRAM config: {e}") from e
+    if config is None:
+        config = _read_config(os.path.join(path, CONFIG_FILE))
     try:
         sd = load_file(os.path.join(path, WEIGHTS_FILE))
     except (SafetensorError, OSError) as e:
@@ -85,9 +102,29 @@ def load_pretrained(cls, path, dtype: torch.dtype = torch.float32):
     # tensors as the parameters; only the computed RoPE tables are made for real.
     with torch.device("meta"):
         model = cls(config)
+    if dtype == "auto":  # the file's dtype (its first floating tensor's)
+        dtype = next(iter(sd.values())).dtype
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
     model.rope = RotaryTables(config)
     return model.eval()
+
+
+def _read_config(config_path: str) -> ShramConfig:
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{config_path} is not valid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_path} must hold a JSON object of config fields, got a "
+                              f"JSON {type(raw).__name__}")
+    if raw.get("model_type", ShramConfig.model_type) != ShramConfig.model_type:
+        raise CheckpointError(f"{config_path} has model_type {raw['model_type']!r}; this package loads "
+                              f"only {ShramConfig.model_type!r} checkpoints")
+    try:
+        return ShramConfig.from_json_file(config_path)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{config_path} is not a valid SHRAM config: {e}") from e
 
 
 def save_pretrained(model, path) -> None:

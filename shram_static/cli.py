@@ -9,10 +9,9 @@ a user can fix (a bad checkpoint, a prompt too long for the capacity, ...) print
 import argparse
 import contextlib
 import sys
-import tempfile
 import time
 
-BACKENDS = ("eager", "compiled", "pte", "onnx")
+from .backends import BACKENDS
 
 
 def _info(msg: str) -> None:
@@ -29,36 +28,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _make_decoder(model, tok, backend: str, prefill_chunk: int, stack: contextlib.ExitStack):
-    if backend in ("eager", "compiled"):
-        from .decoder import StaticDecoder
-        return StaticDecoder(model, batch_size=1, prefill_chunk=prefill_chunk,
-                             compile=backend == "compiled", eos_token_id=tok.eos_token_id)
-    try:
-        from .export import export_onnx, export_pte, load_onnx, load_pte
-    except ImportError as e:
-        raise ValueError(f"backend {backend!r} needs shram_static.export, which failed to import: {e}") from e
-    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="shram_static_"))
-    t0 = time.perf_counter()
-    if backend == "pte":
-        path = f"{tmp}/model.pte"
-        _info(f"exporting to ExecuTorch ({path}) ...")
-        export_pte(model, path, batch_size=1, prefill_chunk=prefill_chunk, eos_token_id=tok.eos_token_id)
-        dec = load_pte(path)
-    else:
-        path = f"{tmp}/model.onnx"
-        _info(f"exporting to ONNX ({path}) ...")
-        export_onnx(model, path, batch_size=1, prefill_chunk=prefill_chunk, eos_token_id=tok.eos_token_id)
-        dec = load_onnx(path)
-    _info(f"exported and loaded in {time.perf_counter() - t0:.1f} s")
-    return dec
-
-
 def generate(args) -> int:
     """The `generate` subcommand."""
     import torch
 
+    from .backends import make_decoder
     from .default_model import load_model_and_tokenizer
+    from .generation import TextTokenStreamer
 
     if args.temperature is not None and not args.temperature > 0:
         raise ValueError(f"--temperature must be > 0, got {args.temperature}")
@@ -76,31 +52,29 @@ def generate(args) -> int:
                          f"exceeds the model's context capacity of {capacity} tokens "
                          f"(inference_sequence_length); shorten the prompt or lower --max-new-tokens")
     sample = args.temperature is not None or args.top_k is not None or args.top_p is not None
+    with contextlib.suppress(AttributeError, ValueError):
+        sys.stdout.reconfigure(errors="replace")
+    # Text goes to stdout as it is produced (a multi-byte character once all its bytes are
+    # in); the streamer ends it with a newline. Progress stays on stderr.
+    streamer = TextTokenStreamer(tok, sys.stdout, eos_token_id=tok.eos_token_id)
     with contextlib.ExitStack() as stack:
-        dec = _make_decoder(model, tok, args.backend, args.prefill_chunk, stack)
+        dec = make_decoder(model, args.backend, args.prefill_chunk, stack, tok.eos_token_id,
+                               getattr(tok, "bos_token_id", None))
         if args.backend == "compiled":
             _info("compiling the prefill and decode steps (first call)...")
         t0 = time.perf_counter()
-        out = dec.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
-                           do_sample=sample, temperature=args.temperature or 1.0, top_k=args.top_k,
-                           top_p=args.top_p, seed=args.seed, eos_token_id=tok.eos_token_id)
+        dec.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
+                     do_sample=sample, temperature=args.temperature or 1.0, top_k=args.top_k,
+                     top_p=args.top_p, seed=args.seed, eos_token_id=tok.eos_token_id, streamer=streamer)
         dt = time.perf_counter() - t0
-    new = out[0].tolist()
-    if tok.eos_token_id is not None and tok.eos_token_id in new:
-        new = new[:new.index(tok.eos_token_id)]
-    text = tok.decode(new)
-    with contextlib.suppress(AttributeError, ValueError):
-        sys.stdout.reconfigure(errors="replace")
-    sys.stdout.write(text + "\n")
-    sys.stdout.flush()
-    _info(f"{len(new)} new tokens in {dt:.2f} s ({args.backend})")
+    _info(f"{len(streamer.tokens)} new tokens in {dt:.2f} s ({args.backend})")
     return 0
 
 
 def _add_generate(subparsers) -> None:
     p = subparsers.add_parser("generate", help="print the continuation of a prompt",
-                              description="Prints the continuation of --prompt (greedy unless a "
-                                          "sampling option is given).")
+                              description="Prints the continuation of --prompt as it is produced "
+                                          "(greedy unless a sampling option is given).")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--checkpoint", metavar="DIR",
                    help="checkpoint directory (config.json + model.safetensors [+ tokenizer.json]); "
@@ -124,10 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     _add_generate(subparsers)
-    from . import bench
+    from . import bench, evaluate, train
     from .export import cli as export_cli
     bench.register(subparsers)
     export_cli.register(subparsers)
+    train.register(subparsers)
+    evaluate.register(subparsers)
     return parser
 
 

@@ -1,49 +1,60 @@
 """`StaticDecoder`: the static steps in PyTorch, eager or `torch.compile(fullgraph=True)`."""
 
+import copy
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .host import HostDecoder
 from .state import StaticState
 from .step import StepModule
 
 
-def weight_layout_(model, column_major: bool):
-    """Stores every nn.Linear weight column- or row-major in memory (same shape and values).
-
-    A decode step multiplies one row per sequence by each weight, so it streams every weight
-    once and its speed is the read bandwidth each layout gets:
-      * MKL's GEMV (eager, and compiled steps with several rows) streams a weight stored
-        (in, out) row-major, i.e. an (out, in) column-major `w`, at ~15-19 GB/s here, but the
-        (out, in) row-major layout of nn.Linear at ~10 GB/s (50277x512 lm_head: 19.4 vs 9.7 GB/s).
-      * `row_linear` (the compiled batch-1 decode step) reduces contiguous rows of a row-major
-        `w` at ~26-34 GB/s (bench model's 85 linears: 8.9 ms row_linear vs 14.5 ms mm).
-    Parameter shapes, values and `state_dict()` are unchanged. Returns the model.
-    """
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.Linear):
-                w = m.weight.data
-                m.weight.data = w.t().contiguous().t() if column_major else w.contiguous()
-    return model
-
-
-def row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """`F.linear(x, w)` for the compiled decode step: with ONE row and a row-major `w`, an
-    elementwise product reduced over the input width, which Inductor turns into a single pass
-    over `w` at near the machine's read bandwidth (WHY: MKL's GEMV reaches ~55% of it here, and
-    a decode step is GEMVs). Anything else goes to F.linear: for several rows a reduction would
-    re-read `w` per row, and eagerly it would materialise (out, in). Accumulates in fp32.
+class RowLinear(nn.Module):
+    """`nn.Linear` (no bias) for the compiled batch-1 decode step: with ONE row, an elementwise
+    product reduced over the input width, which Inductor turns into a single pass over the
+    row-major `weight` at near the machine's read bandwidth (WHY: MKL's GEMV reached ~55% of it
+    here, and a decode step is GEMVs: the bench model's 85 linears took 8.9 ms this way vs
+    14.5 ms as mm). Several rows go to F.linear (a reduction would re-read `weight` per row).
+    Accumulates in fp32.
 
     Args:
-        x: (..., in), w: (out, in).
-
-    Returns:
-        (..., out) in x's dtype.
+        weight: (out, in), shared with the module it replaces (never copied).
     """
-    if x.numel() != x.shape[-1] or not w.is_contiguous() or type(w) not in (torch.Tensor, torch.nn.Parameter):
-        return F.linear(x, w)
-    return (x[..., None, :].float() * w.float()).sum(-1).to(x.dtype)  # (..., out)
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., in) -> (..., out) in x's dtype."""
+        w = self.weight
+        if x.numel() != x.shape[-1] or not w.is_contiguous():
+            return F.linear(x, w)
+        return (x[..., None, :].float() * w.float()).sum(-1).to(x.dtype)  # (..., out)
+
+
+def shared_copy(model: nn.Module) -> nn.Module:
+    """A copy of the module tree that shares every parameter and buffer with `model`.
+
+    A decoder swaps modules on this copy (source transformations, as ExecuTorch's llama
+    example does), so the model it was given never changes and the weights are held once.
+    """
+    memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def row_linear_(model: nn.Module) -> nn.Module:
+    """Replaces every bias-free nn.Linear of `model` (and a tied lm_head) by a `RowLinear` over
+    the same weight, in place; returns `model`. Use on a `shared_copy`."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and child.bias is None:
+                setattr(parent, name, RowLinear(child.weight))
+    if getattr(model, "lm_head", 0) is None:  # tied: the head reads the embedding table
+        model.lm_head = RowLinear(model.embed_tokens.weight)
+    return model
 
 
 class StaticDecoder(HostDecoder):
@@ -55,7 +66,8 @@ class StaticDecoder(HostDecoder):
         prefill_chunk: C tokens per prefill step (prompts are split into C-token chunks).
         compile: wrap both steps in `torch.compile(fullgraph=True, dynamic=False)`; each
             compiles once, on first use. With batch_size 1 on CPU the compiled decode step
-            runs its projections as `row_linear` (row-major weights); see `weight_layout_`.
+            runs its projections as `RowLinear` on the decoder's own `shared_copy` of the model
+            (same weight tensors); the model passed in is never modified.
         eos_token_id: id that ends a row in `generate`.
 
     The decode step is `decode_step(tokens (B, 1), input_pos (B,), live (B, 1))`, the prefill
@@ -68,12 +80,12 @@ class StaticDecoder(HostDecoder):
         super().__init__(model.config, batch_size, prefill_chunk, eos_token_id)
         p = next(model.parameters())
         self.device = p.device
-        # The compiled batch-1 decode step runs its projections as `row_linear`.
-        rows = compile and batch_size == 1 and p.device.type == "cpu"
-        self.model = weight_layout_(model.eval(), column_major=not rows)
+        self.model = shared_copy(model).eval()
         self.state = StaticState(model.config, batch_size, prefill_chunk, dtype=p.dtype, device=p.device)
         self.module = StepModule(self.model, self.state)
-        self.decode_module = StepModule(self.model, self.state, linear=row_linear) if rows else self.module
+        self.decode_module = self.module
+        if compile and batch_size == 1 and p.device.type == "cpu":
+            self.decode_module = StepModule(row_linear_(shared_copy(self.model)), self.state)
         self.compiled = compile
         if compile:
             # Two separate compiled functions (two code objects), so each step owns exactly

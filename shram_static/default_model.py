@@ -1,58 +1,34 @@
-"""The built-in model: a small SHRAM config with deterministic seeded weights, so every command
-works with no checkpoint. Its weights are random (not trained): its text is gibberish, but it
-exercises every part of the network (no zero gate hides a sublayer)."""
+"""The built-in model: a small byte-level SHRAM trained on Shakespeare, shipped as package data.
 
-import math
+`shram_static/builtin/` holds its checkpoint (`config.json` + `model.safetensors`, bf16
+weights, loaded as fp32), the record of the training run (`train_log.json`) and its loss curve
+(`loss.png`). It was made by `shram-static train` (see the README, "Training and evaluation")
+and copied here with `shram_static.train.write_builtin`.
+"""
 
-import torch
+import os
 
 from .config import ShramConfig
 from .model import ShramForCausalLM
 from .tokenizer import ByteTokenizer, load_tokenizer
 
-DEFAULT_SEED = 20240601
+BUILTIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin")
 
 
 def default_config() -> ShramConfig:
-    """The built-in model's config: byte vocabulary (259), d=64, 2 layers, 4 local heads,
-    8 expert heads of which each token selects 2, window 16, context 256."""
-    return ShramConfig(vocab_size=259, embedding_width=64, mlp_width=192, num_decoder_layers=2,
-                       num_sliding_window_heads=4, num_mosrah_heads=8, num_selected_heads=2,
-                       head_dim=16, window_size=16, training_sequence_length=256)
-
-
-@torch.no_grad()
-def seeded_weights_(model: ShramForCausalLM, seed: int = DEFAULT_SEED) -> ShramForCausalLM:
-    """Fills every parameter (and residual-scale buffer) from a local generator.
-
-    Projections get normal(0, 1/sqrt(fan_in)), the embedding normal(0, 1), norms 1 + 0.1 * normal,
-    residual gates uniform(0.5, 1.5). The global RNG is never touched.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    tensors = dict(model.named_parameters())
-    tensors.update((n, b) for n, b in model.named_buffers() if n.endswith("residual_scale"))
-    for name in sorted(tensors):
-        t = tensors[name]
-        if name.endswith("residual_scale"):
-            v = torch.rand(t.shape, generator=gen) + 0.5
-        elif name.endswith("norm.weight"):
-            v = 1.0 + 0.1 * torch.randn(t.shape, generator=gen)
-        elif name == "embed_tokens.weight":
-            v = torch.randn(t.shape, generator=gen)
-        else:
-            # (out, in) for nn.Linear weights; (L, d, u) / (L, u, d) expert matrices read from dim -2.
-            fan_in = t.shape[-1] if t.dim() == 2 else t.shape[-2]
-            v = torch.randn(t.shape, generator=gen) / math.sqrt(fan_in)
-        t.copy_(v.to(t.dtype))
-    return model
+    """The built-in model's config: byte vocabulary (259), d=160, 4 layers, 4 local heads,
+    4 expert heads of which each token selects 2, window 32, trained on 256-byte windows,
+    context 1024 (YaRN-extended sparse path)."""
+    return ShramConfig.from_json_file(os.path.join(BUILTIN_DIR, "config.json"))
 
 
 def default_model() -> ShramForCausalLM:
-    """The built-in model (fp32, eval mode), identical on every call and machine."""
-    # The constructor's own init draws from the global RNG: fork it so callers' state is kept.
-    with torch.random.fork_rng(devices=[]):
-        model = ShramForCausalLM(default_config())
-    return seeded_weights_(model).eval()
+    """The built-in model (fp32, eval mode), identical on every call and machine.
+
+    Raises:
+        FileNotFoundError: the package data is missing (a broken install).
+    """
+    return ShramForCausalLM.from_pretrained(BUILTIN_DIR)
 
 
 def load_model_and_tokenizer(checkpoint: str | None = None):

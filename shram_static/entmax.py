@@ -11,6 +11,8 @@ of hundreds of ops per layer. Matches `entmax.entmax_bisect(z, alpha=1.2)` (test
 
 import torch
 
+from .reductions import max_last, sum_last
+
 ALPHA = 1.2
 HALVINGS = 50
 WAYS = 32  # 2^5 grid points per round
@@ -35,15 +37,19 @@ def entmax12(z: torch.Tensor) -> torch.Tensor:
     """
     L = z.shape[-1]
     x = (z.float() * (ALPHA - 1))[..., None, :]  # (..., 1, L)
-    mx = x.amax(dim=-1, keepdim=True)  # (..., 1, 1)
+    mx = max_last(x)  # (..., 1, 1)
     tau_lo = mx - 1.0  # sum p(tau_lo) >= 1
     dm = (mx - (1.0 / L) ** (ALPHA - 1)) - tau_lo  # bracket width
     k = torch.arange(1, WAYS + 1, device=z.device, dtype=torch.float32)[:, None]  # (M, 1)
     for _ in range(HALVINGS // 5):
         dm = dm / WAYS
         tau = tau_lo + dm * k  # (..., M, 1) grid of the bracket
-        f = _p(x - tau).sum(-1, keepdim=True)  # (..., M, 1) mass at each grid point
-        # The mass decreases with tau: the accepted points form a prefix; count them.
-        tau_lo = tau_lo + dm * (f >= 1.0).float().sum(-2, keepdim=True)
+        f = sum_last(_p(x - tau))  # (..., M, 1) mass at each grid point
+        # The mass decreases with tau: the accepted points form a prefix; count them. The
+        # step function f >= 1 as clamp((f - 1) * 1e30 + 1, 0, 1) (exact in fp32: |f - 1| is
+        # 0 or >= 2^-24) and the count as a mean, because XNNPACK delegates clamp, mul and a
+        # 4-D mean, but not ge, a bool->float cast or sum (each would split the delegate).
+        ok = ((f - 1.0) * 1e30 + 1.0).clamp(0.0, 1.0)  # (..., M, 1)
+        tau_lo = tau_lo + dm * sum_last(ok.transpose(-1, -2))
     p = _p(x - tau_lo)[..., 0, :]  # (..., L)
-    return p / p.sum(dim=-1, keepdim=True)
+    return p / sum_last(p)

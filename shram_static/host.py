@@ -119,7 +119,8 @@ class HostDecoder:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 eos_token_id: int | None = None, pad_token_id: int | None = None) -> torch.Tensor:
+                 eos_token_id: int | None = None, pad_token_id: int | None = None,
+                 streamer=None) -> torch.Tensor:
         """Resets, prefills the prompt, then decodes new tokens (greedy by default).
 
         Args:
@@ -130,6 +131,8 @@ class HostDecoder:
             seed: seeds the sampler for reproducible samples.
             eos_token_id: stops a row once produced (default: the decoder's tokenizer EOS).
             pad_token_id: fills a row after it stopped (default: eos_token_id, else 0).
+            streamer: a transformers-style streamer (e.g. `TextStreamer`, batch 1): gets
+                `put(prompt ids)`, then `put(tokens (B,))` as each is produced, then `end()`.
 
         Returns:
             (B, n) int64 new tokens.
@@ -166,6 +169,8 @@ class HostDecoder:
         logits = logits[torch.arange(self.batch_size), last]  # (B, V)
         out = torch.full((self.batch_size, max_new_tokens), pad, dtype=torch.long)
         done = torch.zeros(self.batch_size, dtype=torch.bool)
+        if streamer is not None:
+            streamer.put(ids)
         for t in range(max_new_tokens):
             if sample:
                 probs = torch.softmax(warp(out[:, :t], logits.float()), dim=-1)
@@ -173,11 +178,15 @@ class HostDecoder:
             else:
                 nxt = logits.argmax(-1)
             out[:, t] = torch.where(done, pad, nxt)
+            if streamer is not None:
+                streamer.put(out[:, t].clone())
             if eos is not None:
                 done |= nxt == eos
             if t + 1 == max_new_tokens or bool(done.all()):
                 break
             logits = self.decode(torch.where(done, 0, nxt), active=~done)
+        if streamer is not None:
+            streamer.end()
         return out
 
     def _call(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ShramConfig
+from .reductions import mean_last
 
 
 class RMSNorm(nn.Module):
@@ -22,7 +23,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = xf * torch.rsqrt(mean_last(xf * xf) + self.eps)  # mean_last: stays in XNNPACK
         return self.weight * xf.to(x.dtype)
 
 
@@ -33,10 +34,8 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
 
-    def forward(self, x: torch.Tensor, linear=F.linear) -> torch.Tensor:
-        # `linear(x, w)` is F.linear unless a caller (the compiled decode step) swaps it.
-        return linear(F.silu(linear(x, self.gate_proj.weight)) * linear(x, self.up_proj.weight),
-                      self.down_proj.weight)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LocalAttention(nn.Module):
@@ -51,16 +50,16 @@ class LocalAttention(nn.Module):
         self.v_proj = nn.Linear(d, hu, bias=False)
         self.o_proj = nn.Linear(hu, d, bias=False)
 
-    def qkv(self, h: torch.Tensor, linear=F.linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(B, C, d) -> q, k, v each (B, H, C, u)."""
         B, C, _ = h.shape
-        split = lambda w: linear(h, w).view(B, C, self.num_heads, self.head_dim).transpose(1, 2)
-        return split(self.q_proj.weight), split(self.k_proj.weight), split(self.v_proj.weight)
+        split = lambda proj: proj(h).view(B, C, self.num_heads, self.head_dim).transpose(1, 2)
+        return split(self.q_proj), split(self.k_proj), split(self.v_proj)
 
-    def out(self, y: torch.Tensor, linear=F.linear) -> torch.Tensor:
+    def out(self, y: torch.Tensor) -> torch.Tensor:
         """(B, H, C, u) -> (B, C, d)."""
         B, H, C, u = y.shape
-        return linear(y.transpose(1, 2).reshape(B, C, H * u), self.o_proj.weight)
+        return self.o_proj(y.transpose(1, 2).reshape(B, C, H * u))
 
 
 class Router(nn.Module):
@@ -114,6 +113,6 @@ class DecoderLayer(nn.Module):
             self.register_buffer("attn_residual_scale", fixed.clone())
             self.register_buffer("mlp_residual_scale", fixed.clone())
 
-    def forward(self, x: torch.Tensor, attn, linear=F.linear) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn) -> torch.Tensor:
         a = x + self.attn_residual_scale * attn(self.attn_norm(x))
-        return a + self.mlp_residual_scale * self.mlp(self.mlp_norm(a), linear)
+        return a + self.mlp_residual_scale * self.mlp(self.mlp_norm(a))

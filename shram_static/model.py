@@ -6,20 +6,26 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
 
-from .attention import masked_attention
+from .attention import attention_bias, masked_attention
+from .cache import ShramCache
 from .config import ShramConfig
+from .generation import ShramGenerationMixin, default_compile_config
 from .layers import DecoderLayer, RMSNorm
 from .rope import RotaryTables, apply_rope
 from .routing import route
 
 
 @dataclass
-class CausalLMOutput:
-    """logits: (B, N, V). selected_heads: (layers, B, N, K), -1 at dead tokens."""
+class CausalLMOutput(ModelOutput):
+    """logits: (B, N, V). selected_heads: (layers, B, N, K), -1 at dead tokens (uncached
+    forward with `output_routing`). cache: the `ShramCache` a cached forward advanced."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None = None
     selected_heads: torch.Tensor | None = None
+    cache: ShramCache | None = None
 
 
 class ShramModel(nn.Module):
@@ -56,17 +62,25 @@ def check_mask(mask: torch.Tensor | None, shape: torch.Size, name: str = "attent
     return mask.bool()
 
 
-class ShramForCausalLM(nn.Module):
+class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
     """SHRAM decoder-only language model with the checkpoint layout of the original code.
+
+    A transformers `PreTrainedModel` with `GenerationMixin`: `generate()` runs on a
+    `ShramCache` (the fixed-shape static state); see `generation.py`. Checkpoint I/O is this
+    package's own (`checkpoint.py`), not transformers'.
 
     Args:
         config: the model's `ShramConfig`. Weights are initialised as the original does
             (normal(0, 0.02) projections, unit norms and residual gates).
     """
 
+    config_class = ShramConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+
     def __init__(self, config: ShramConfig):
-        super().__init__()
-        self.config = config
+        super().__init__(config)
+        self.generation_config.compile_config = default_compile_config()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.embedding_width)
         self.model = ShramModel(config)
         self.rope = RotaryTables(config)
@@ -74,10 +88,11 @@ class ShramForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.embedding_width, config.vocab_size, bias=False)
-        self._init_weights()
+        self._init_parameters()
         self.eval()
 
-    def _init_weights(self, std: float = 0.02) -> None:
+    # Not `_init_weights`: PreTrainedModel calls that name with a module argument.
+    def _init_parameters(self, std: float = 0.02) -> None:
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name.endswith("norm.weight") or name.endswith("residual_scale"):
@@ -90,47 +105,81 @@ class ShramForCausalLM(nn.Module):
         """(V, d) lm_head matrix (the embedding when tied)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def logits(self, x: torch.Tensor, linear=F.linear) -> torch.Tensor:
-        """Final norm and lm_head: (..., d) -> (..., V); `linear` as in `SwiGLU.forward`."""
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and lm_head: (..., d) -> (..., V)."""
+        h = self.model.norm(x)
+        if self.lm_head is not None:
+            return self.lm_head(h)
         # F.linear, not `x @ W.t()`: ExecuTorch delegates linear to XNNPACK but leaves a
         # transposed mm on portable kernels (measured 26 vs 4.4 ms for a 50277x512 head), and
         # torchao's int8 flow quantizes only linear.
-        return linear(self.model.norm(x), self.output_weight)
+        return F.linear(h, self.embed_tokens.weight)
 
     # -- checkpoint I/O lives in checkpoint.py; these are the HF-style entry points --------
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype = torch.float32) -> "ShramForCausalLM":
+    def from_pretrained(cls, path, dtype: torch.dtype | str = torch.float32, *, config: ShramConfig | None = None,
+                        **kwargs) -> "ShramForCausalLM":
         """Loads a checkpoint directory (`config.json` + `model.safetensors`), eval mode.
+
+        Also the target of `AutoModelForCausalLM.from_pretrained(path)` (importing
+        `shram_static` registers the Auto classes).
 
         Args:
             path: directory written by the original SHRAM code or by `save_pretrained`.
-            dtype: parameter dtype after loading (fp32, bf16 or fp16 files are cast to it).
+            dtype: parameter dtype after loading (fp32, bf16 or fp16 files are cast to it);
+                "auto" keeps the file's dtype. `torch_dtype=` is accepted as an alias.
+            config: a `ShramConfig` to use instead of the directory's `config.json` (the Auto
+                classes pass the one they read, with any overrides applied).
+            **kwargs: the options transformers' Auto classes pass on (`trust_remote_code`,
+                `revision`, `cache_dir`, ...; ignored for a local directory) and `subfolder`;
+                anything else is a TypeError.
 
         Returns:
             The model. Raises CheckpointError naming any missing, unexpected or misshapen key.
         """
         from .checkpoint import load_pretrained
-        return load_pretrained(cls, path, dtype)
+        return load_pretrained(cls, path, dtype, config=config, **kwargs)
 
     def save_pretrained(self, path) -> None:
         """Writes `config.json` and `model.safetensors` (tied embeddings stored once)."""
         from .checkpoint import save_pretrained
         save_pretrained(self, path)
 
-    # -- uncached forward -------------------------------------------------------------
+    # -- forward: uncached over whole sequences, or cached on a ShramCache --------------
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                output_routing: bool = False) -> CausalLMOutput:
-        """Full uncached forward over a batch of token streams.
+                output_routing: bool = False, cache: ShramCache | None = None,
+                use_cache: bool | None = None, return_dict: bool | None = None) -> CausalLMOutput:
+        """Full uncached forward over a batch of token streams, or the next columns of a cache.
 
         Args:
             input_ids: (B, N) token ids.
             attention_mask: (B, N) 1 for live tokens, 0 for dead ones (no-ops); default all live.
-            output_routing: also return the selected experts per layer.
+                With a cache it covers the N new columns only.
+            output_routing: also return the selected experts per layer (uncached only).
+            cache: a `ShramCache` to append the N columns to (N = 1: one decode step; longer:
+                fixed-size prefill chunks). None: the uncached forward.
+            use_cache, return_dict: accepted for transformers' generate(); the output is
+                always a `CausalLMOutput`.
 
         Returns:
-            CausalLMOutput with logits (B, N, V) (unspecified at dead positions) and, when
-            asked, selected_heads (layers, B, N, K), -1 at dead positions.
+            CausalLMOutput with logits (B, N, V) (unspecified at dead positions), the cache
+            when one was given and, when asked, selected_heads (layers, B, N, K), -1 at dead
+            positions.
+
+        Raises:
+            TypeError, ValueError, CapacityError (cached: a row would pass the capacity),
+            before anything runs.
         """
+        if cache is not None:
+            return self._cached_forward(input_ids, attention_mask, output_routing, cache)
+        self._check_input(input_ids)
+        live = check_mask(attention_mask, input_ids.shape)
+        if live is None:
+            live = torch.ones_like(input_ids, dtype=torch.bool)
+        live = live.to(input_ids.device)
+        return self._forward(input_ids.long(), live, output_routing)
+
+    def _check_input(self, input_ids) -> None:
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a (batch, length) torch.Tensor of token ids, got "
                             f"{type(input_ids).__name__}; wrap it with torch.tensor(...)")
@@ -138,11 +187,39 @@ class ShramForCausalLM(nn.Module):
             raise ValueError(f"input_ids must be 2-D (batch, length), got shape {tuple(input_ids.shape)}"
                              + ("; add a batch dimension with input_ids[None]" if input_ids.dim() == 1 else ""))
         check_input_ids(input_ids, self.config.vocab_size)
+
+    def _cached_forward(self, input_ids, attention_mask, output_routing, cache) -> CausalLMOutput:
+        if not torch.compiler.is_compiling():
+            # Eager calls are validated before the state changes. Inside the compiled decode
+            # forward (generate() feeds its own tokens) the checks would read values back to
+            # the host, a graph break; generate() checked capacity up front instead.
+            self._check_cache_call(input_ids, attention_mask, output_routing, cache)
+        if attention_mask is None:
+            live = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+        else:
+            live = attention_mask.to(torch.bool)
+        with torch.no_grad():  # the state is written in place: keep it out of any autograd graph
+            logits = cache.run(self, input_ids.long(), live)
+        return CausalLMOutput(logits=logits, cache=cache)
+
+    def _check_cache_call(self, input_ids, attention_mask, output_routing, cache) -> None:
+        from .host import CapacityError  # host imports this module
+
+        if not isinstance(cache, ShramCache):
+            raise TypeError(f"cache must be a shram_static.ShramCache, got {type(cache).__name__}")
+        if output_routing:
+            raise ValueError("output_routing is only available from the uncached forward (cache=None)")
+        self._check_input(input_ids)
+        if input_ids.shape[0] != cache.batch_size or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must have shape ({cache.batch_size}, N >= 1) for this cache, got "
+                             f"{tuple(input_ids.shape)}")
         live = check_mask(attention_mask, input_ids.shape)
-        if live is None:
-            live = torch.ones_like(input_ids, dtype=torch.bool)
-        live = live.to(input_ids.device)
-        return self._forward(input_ids.long(), live, output_routing)
+        n_new = input_ids.shape[1] if live is None else live.long().sum(1).to(cache.device)
+        total = cache.live_counts + n_new
+        if bool((total > cache.capacity).any()):
+            raise CapacityError(f"rows {torch.nonzero(total > cache.capacity).flatten().tolist()} would hold "
+                                f"{int(total.max())} live tokens, more than the cache's capacity of "
+                                f"{cache.capacity} (inference_sequence_length)")
 
     def _forward(self, ids: torch.Tensor, live: torch.Tensor, output_routing: bool) -> CausalLMOutput:
         cfg = self.config
@@ -155,6 +232,8 @@ class ShramForCausalLM(nn.Module):
         tri = torch.ones(N, N, dtype=torch.bool, device=ids.device).tril()
         dp = pos[:, :, None] - pos[:, None, :]  # (B, N, N)
         local_mask = tri & live[:, None, :] & (dp < cfg.window_size) & (dp >= 0)
+        local_bias = attention_bias(local_mask[:, None], x.dtype)  # (B, 1, N, N)
+        local_seen = local_mask[:, None].any(-1, keepdim=True).to(x.dtype)  # (B, 1, N, 1)
         cos_l, sin_l = self.rope.local(pos)  # (B, N, u)
         routing = []
         for layer in self.model.layers:
@@ -163,16 +242,14 @@ class ShramForCausalLM(nn.Module):
                 q, k, v = la.qkv(h)  # (B, H, N, u)
                 q = apply_rope(q, cos_l[:, None], sin_l[:, None])
                 k = apply_rope(k, cos_l[:, None], sin_l[:, None])
-                y = la.out(masked_attention(q, k, v, local_mask[:, None], 1 / math.sqrt(cfg.head_dim)))
+                y = la.out(masked_attention(q, k, v, local_bias, 1 / math.sqrt(cfg.head_dim), local_seen))
                 sa = layer.attention.sparse_attention
                 idx, P, _ = route(h, sa.router.routing_weight, live, start, taken, cfg.num_selected_heads)
                 routing.append(torch.where(live[..., None], idx, -1))
                 return y + self._mosrah_dense(sa.bea, h, live, pos, idx, P, tri)
             x = layer(x, attn)
-        out = CausalLMOutput(self.logits(x))
-        if output_routing:
-            out.selected_heads = torch.stack(routing)
-        return out
+        return CausalLMOutput(logits=self.logits(x),
+                              selected_heads=torch.stack(routing) if output_routing else None)
 
     def _mosrah_dense(self, bea, h, live, pos, idx, P, tri) -> torch.Tensor:
         """Sparse path over a whole sequence, computing every expert and masking by selection.
@@ -195,5 +272,7 @@ class ShramForCausalLM(nn.Module):
         cos, sin = self.rope.sparse(r)  # (B, L, N, u)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         mask = tri & selT[..., :, None] & selT[..., None, :]  # (B, L, N, N)
-        y = masked_attention(q, k, v, mask, self.rope.sparse_factor / math.sqrt(cfg.head_dim))
+        seen = mask.any(-1, keepdim=True).to(q.dtype)
+        y = masked_attention(q, k, v, attention_bias(mask, q.dtype), self.rope.sparse_factor / math.sqrt(cfg.head_dim),
+                             seen)
         return torch.einsum("blnu,lud,bnl->bnd", y, bea.o_proj, w)

@@ -75,7 +75,17 @@ def route(h: torch.Tensor, routing_weight: torch.Tensor, live: torch.Tensor, sta
         idx: (B, C, K) selected experts; P: (B, C, K) weights in h's dtype; taken_out: (B, L).
     """
     z = F.linear(h, routing_weight).float()  # (B, C, L); linear, as XNNPACK delegates it
-    scores = entmax12(z)
+    if torch.is_grad_enabled() and z.requires_grad:
+        # Training: `entmax12` is a fixed-iteration bisection whose autograd differentiates the
+        # search steps (comparisons and a threshold found by counting), not the entmax
+        # Jacobian (the threshold moves only with max(z)), so the router would get a wrong
+        # gradient. The `entmax` package's bisection has the exact closed-form backward, but it
+        # is a custom autograd.Function of 50 sequential halvings that the exporters do not
+        # take, so inference (and every export) keeps `entmax12`; same forward values.
+        import entmax
+        scores = entmax.entmax_bisect(z, alpha=1.2)
+    else:
+        scores = entmax12(z)
     idx, taken_out = block_select(z, live, start, taken, k)
     ps = scores.gather(-1, idx)  # (B, C, K)
     P = ps / ps.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)

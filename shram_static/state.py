@@ -77,6 +77,17 @@ class StaticState(nn.Module):
         return sum(b.numel() * b.element_size() for b in self.tensors())
 
     @torch.no_grad()
+    def reorder_(self, beam_idx: torch.Tensor) -> None:
+        """Row b of every buffer becomes the old row `beam_idx[b]`, in place (beam search).
+
+        Every buffer is stored batch-major, so a `(B, -1)` view of it has one row per sequence.
+        """
+        idx = beam_idx.to(device=self.layers[0].taken.device, dtype=torch.long)
+        for b in self.tensors():
+            rows = b.view(self.batch_size, -1)
+            rows.copy_(rows.index_select(0, idx))
+
+    @torch.no_grad()
     def zero_(self) -> None:
         """Clears every buffer (not needed for correctness; used by tests and reset)."""
         for b in self.tensors():

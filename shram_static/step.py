@@ -11,12 +11,12 @@ write, so onnxruntime may alias each output state to its input.
 """
 
 import math
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .attention import masked_attention
+from .attention import attention_bias, masked_attention
 from .rope import apply_rope
 from .routing import route
 from .state import LAYER_BUFFERS, StaticState
@@ -28,9 +28,44 @@ def _write(buf: torch.Tensor, rows: torch.Tensor, vals: torch.Tensor, inplace: b
     return buf.index_put((rows,), vals)
 
 
+class Shared(NamedTuple):
+    """Per-step tensors every layer reads (computed once per step, not per layer)."""
+
+    live: torch.Tensor  # (B, C) bool
+    input_pos: torch.Tensor  # (B,) live tokens before the step
+    cos_l: torch.Tensor  # (B, 1, C, u) local RoPE rows
+    sin_l: torch.Tensor
+    ring_rows: torch.Tensor  # (B*H*C,) ring row each local k/v goes to (dead tokens: the sink)
+    local_bias: torch.Tensor  # (B, 1, C, R) attention bias over the ring
+    local_seen: torch.Tensor  # (B, 1, C, 1) 1.0 where a query sees any ring slot
+    main_cos: torch.Tensor | None  # (B, C, 1, u) sparse RoPE rows at token positions
+    main_sin: torch.Tensor | None  # (main_sequence; None for semantic_sequence)
+    taken_open: torch.Tensor  # (B, 1) the carried routing block is still open
+    row_live: torch.Tensor  # (B, 1) the row has a live token in this step
+    ar_b: torch.Tensor  # arange(B), arange(L), arange(T + 1)
+    ar_l: torch.Tensor
+    ar_t: torch.Tensor
+
+
+class Dims(NamedTuple):
+    """Static sizes and flags of a step (Python numbers: the same for every layer)."""
+
+    B: int
+    C: int
+    H: int
+    L: int
+    K: int
+    u: int
+    R: int
+    T: int
+    W: int
+    local_scale: float
+    sparse_scale: float
+    inplace: bool
+
+
 def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torch.Tensor,
-         live: torch.Tensor, ring: int, inplace: bool, linear=F.linear
-         ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+         live: torch.Tensor, ring: int, inplace: bool) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """Runs C tokens per row through the model, reading and updating the static state.
 
     Args:
@@ -41,8 +76,6 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
         live: (B, C) bool, which tokens are live.
         ring: R, slots of the local ring (window + prefill_chunk - 1); C must be <= R - window + 1.
         inplace: mutate `state` (True) or return new tensors (False).
-        linear: `linear(x, w)` for the dense projections and lm_head (F.linear; the compiled
-            decode step passes `decoder.row_linear`).
 
     Returns:
         logits (B, C, V) (unspecified at dead tokens), the new state list, and the selected
@@ -50,8 +83,10 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
     """
     cfg = model.config
     B, C = tokens.shape
-    H, L, K, u = cfg.num_sliding_window_heads, cfg.num_mosrah_heads, cfg.num_selected_heads, cfg.head_dim
+    H, L, u = cfg.num_sliding_window_heads, cfg.num_mosrah_heads, cfg.head_dim
     Wn, W, R, T = cfg.window_size, cfg.block_length, ring, cfg.mosrah_cache_length
+    dims = Dims(B, C, H, L, cfg.num_selected_heads, u, R, T, W, 1 / math.sqrt(u),
+                model.rope.sparse_factor / math.sqrt(u), inplace)
     dev = tokens.device
     ar_b = torch.arange(B, device=dev)
 
@@ -60,7 +95,6 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
     pos = input_pos[:, None] + rank.clamp(min=0)  # (B, C) position of each live token
     count = input_pos + live.long().sum(1)  # (B,) live tokens after this step
     cos_l, sin_l = model.rope.local(pos)  # (B, C, u)
-    cos_l, sin_l = cos_l[:, None], sin_l[:, None]  # (B, 1, C, u)
     ring_slot = torch.where(live, pos % R, R)  # (B, C), R is the sink
     ring_rows = ((ar_b[:, None, None] * H + torch.arange(H, device=dev)[:, None]) * (R + 1)
                  + ring_slot[:, None, :]).reshape(-1)  # (B*H*C,)
@@ -68,67 +102,95 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
     q_j = (count[:, None] - 1) - (count[:, None] - 1 - j).remainder(R)  # (B, R) position in slot j
     dp = pos[:, :, None] - q_j[:, None, :]  # (B, C, R)
     local_mask = ((q_j[:, None, :] >= 0) & (dp >= 0) & (dp < Wn))[:, None]  # (B, 1, C, R)
-    local_scale = 1 / math.sqrt(u)
-    sparse_scale = model.rope.sparse_factor / math.sqrt(u)
-    taken_open = (input_pos % W != 0)[:, None]  # (B, 1) the carried block is still open
-    row_live = live.any(1, keepdim=True)  # (B, 1)
-    ar_l = torch.arange(L, device=dev)
-    ar_t = torch.arange(T + 1, device=dev)
+    dtype = model.embed_tokens.weight.dtype
+    main_cos = main_sin = None
+    if cfg.rope_mode == "main_sequence":
+        main_cos, main_sin = model.rope.sparse(pos[..., None])  # (B, C, 1, u)
+    sh = Shared(live, input_pos, cos_l[:, None], sin_l[:, None], ring_rows,
+                attention_bias(local_mask, dtype), local_mask.any(-1, keepdim=True).to(dtype),
+                main_cos, main_sin, (input_pos % W != 0)[:, None], live.any(1, keepdim=True),
+                ar_b, torch.arange(L, device=dev), torch.arange(T + 1, device=dev))
 
+    # WHY the per-layer function is a nested compile region under torch.compile: Inductor then
+    # compiles the repeated layer once instead of unrolling every layer into its own C++ (cold
+    # compile time scales with depth otherwise). torch.export and the ONNX exporter take the
+    # plain function: ExecuTorch's and ONNX's lowering do not take invoke_subgraph.
+    run = _layer_step
+    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+        run = _nested_layer_step
     x = model.embed_tokens(tokens)  # (B, C, d)
     new_state: list[torch.Tensor] = []
     routing: list[torch.Tensor] = []
     for i, layer in enumerate(model.model.layers):
-        taken, lk, lv, sk, sv = state[5 * i: 5 * i + 5]
+        st = tuple(state[5 * i: 5 * i + 5])
+        x, new, idx = run(layer, model.rope, x, st, sh, dims)
+        new_state += list(new) if not inplace else list(st)
+        routing.append(idx)
+    return model.logits(x), new_state, torch.stack(routing)
 
-        def attn(h: torch.Tensor) -> torch.Tensor:
-            nonlocal taken, lk, lv, sk, sv
-            # Local path: write the chunk into the ring, then attend over the ring alone.
-            la = layer.attention.local_attention
-            q, k, v = la.qkv(h, linear)  # (B, H, C, u)
-            q, k = apply_rope(q, cos_l, sin_l), apply_rope(k, cos_l, sin_l)
-            lk = _write(lk, ring_rows, k.reshape(-1, u), inplace)
-            lv = _write(lv, ring_rows, v.reshape(-1, u), inplace)
-            kr = lk.view(B, H, R + 1, u)[:, :, :R]  # (B, H, R, u)
-            vr = lv.view(B, H, R + 1, u)[:, :, :R]
-            y = la.out(masked_attention(q, kr, vr, local_mask, local_scale), linear)  # (B, C, d)
 
-            # Sparse path: route, then touch only the K selected experts of each token.
-            sa = layer.attention.sparse_attention
-            bea = sa.bea
-            # Every read of the old `taken` feeds the new `taken`, so an onnxruntime output
-            # aliased to this input is written only after all reads.
-            taken_eff = taken & taken_open  # (B, L)
-            idx, P, taken_new = route(h, sa.router.routing_weight, live, input_pos, taken_eff, K)
-            routing.append(torch.where(live[..., None], idx, -1))
-            sel = (idx[..., None] == ar_l).any(-2) & live[..., None]  # (B, C, L)
-            held = (input_pos // W)[:, None] + taken_eff.long()  # (B, L) tokens per expert
-            before = sel.long().cumsum(1) - sel.long()  # (B, C, L) earlier chunk tokens per expert
-            slot = (held[:, None, :] + before).gather(-1, idx)  # (B, C, K) index in S_l
-            head = ar_b[:, None, None] * L + idx  # (B, C, K) row of (b, l) in the cache
-            wslot = torch.where(live[..., None] & (slot < T), slot, T)  # T is the sink
-            rows = (head * (T + 1) + wslot).reshape(-1)  # (B*C*K,)
-            qs = torch.einsum("bcd,bckdu->bcku", h, experts(bea.q_proj, idx))  # (B, C, K, u)
-            ks = torch.einsum("bcd,bckdu->bcku", h, experts(bea.k_proj, idx))
-            vs = torch.einsum("bcd,bckdu->bcku", h, experts(bea.v_proj, idx))
-            r = pos[..., None] if cfg.rope_mode == "main_sequence" else slot
-            cos, sin = model.rope.sparse(r)  # (B, C, 1 or K, u)
-            qs, ks = apply_rope(qs, cos, sin), apply_rope(ks, cos, sin)
-            sk = _write(sk, rows, ks.reshape(-1, u), inplace)
-            sv = _write(sv, rows, vs.reshape(-1, u), inplace)
-            hsel = head.reshape(-1)
-            kc = sk.view(B * L, T + 1, u).index_select(0, hsel).view(B, C, K, T + 1, u)
-            vc = sv.view(B * L, T + 1, u).index_select(0, hsel).view(B, C, K, T + 1, u)
-            mask = ((ar_t <= slot[..., None]) & (ar_t < T))[..., None, :]  # (B, C, K, 1, T+1)
-            ys = masked_attention(qs[..., None, :], kc, vc, mask, sparse_scale)[..., 0, :]  # (B, C, K, u)
-            # A row with no live token keeps its state bit for bit (not just equivalently).
-            taken_new = (taken_new & row_live) | (taken & ~row_live)
-            taken = taken_new if not inplace else taken.copy_(taken_new)
-            return y + torch.einsum("bcku,bckud,bck->bcd", ys, experts(bea.o_proj, idx), P)
+def _layer_step(layer, rope, x: torch.Tensor, st: tuple, sh: Shared, dims: Dims):
+    """One decoder layer over the chunk: (x, its 5 state tensors) -> (x, new state, routing).
 
-        x = layer(x, attn, linear)
-        new_state += [taken, lk, lv, sk, sv]
-    return model.logits(x, linear), new_state, torch.stack(routing)
+    Returns the new state tensors only when out of place (in place, the inputs were mutated:
+    returning them would alias an output to an input, which a nested compile region rejects).
+    """
+    B, C, H, L, K, u, R, T, W, local_scale, sparse_scale, inplace = dims
+    taken, lk, lv, sk, sv = st
+    live, input_pos = sh.live, sh.input_pos
+    routing = []
+
+    def attn(h: torch.Tensor) -> torch.Tensor:
+        nonlocal taken, lk, lv, sk, sv
+        # Local path: write the chunk into the ring, then attend over the ring alone.
+        la = layer.attention.local_attention
+        q, k, v = la.qkv(h)  # (B, H, C, u)
+        q, k = apply_rope(q, sh.cos_l, sh.sin_l), apply_rope(k, sh.cos_l, sh.sin_l)
+        lk = _write(lk, sh.ring_rows, k.reshape(-1, u), inplace)
+        lv = _write(lv, sh.ring_rows, v.reshape(-1, u), inplace)
+        kr = lk.view(B, H, R + 1, u)[:, :, :R]  # (B, H, R, u)
+        vr = lv.view(B, H, R + 1, u)[:, :, :R]
+        y = la.out(masked_attention(q, kr, vr, sh.local_bias, local_scale, sh.local_seen))  # (B, C, d)
+
+        # Sparse path: route, then touch only the K selected experts of each token.
+        sa = layer.attention.sparse_attention
+        bea = sa.bea
+        # Every read of the old `taken` feeds the new `taken`, so an onnxruntime output
+        # aliased to this input is written only after all reads.
+        taken_eff = taken & sh.taken_open  # (B, L)
+        idx, P, taken_new = route(h, sa.router.routing_weight, live, input_pos, taken_eff, K)
+        routing.append(torch.where(live[..., None], idx, -1))
+        sel = (idx[..., None] == sh.ar_l).any(-2) & live[..., None]  # (B, C, L)
+        held = (input_pos // W)[:, None] + taken_eff.long()  # (B, L) tokens per expert
+        before = sel.long().cumsum(1) - sel.long()  # (B, C, L) earlier chunk tokens per expert
+        slot = (held[:, None, :] + before).gather(-1, idx)  # (B, C, K) index in S_l
+        head = sh.ar_b[:, None, None] * L + idx  # (B, C, K) row of (b, l) in the cache
+        wslot = torch.where(live[..., None] & (slot < T), slot, T)  # T is the sink
+        rows = (head * (T + 1) + wslot).reshape(-1)  # (B*C*K,)
+        qs = torch.einsum("bcd,bckdu->bcku", h, experts(bea.q_proj, idx))  # (B, C, K, u)
+        ks = torch.einsum("bcd,bckdu->bcku", h, experts(bea.k_proj, idx))
+        vs = torch.einsum("bcd,bckdu->bcku", h, experts(bea.v_proj, idx))
+        # main_sequence: the step's shared rows; semantic_sequence: at the index in S_l (B, C, K, u)
+        cos, sin = (sh.main_cos, sh.main_sin) if sh.main_cos is not None else rope.sparse(slot)
+        qs, ks = apply_rope(qs, cos, sin), apply_rope(ks, cos, sin)
+        sk = _write(sk, rows, ks.reshape(-1, u), inplace)
+        sv = _write(sv, rows, vs.reshape(-1, u), inplace)
+        hsel = head.reshape(-1)
+        kc = sk.view(B * L, T + 1, u).index_select(0, hsel).view(B, C, K, T + 1, u)
+        vc = sv.view(B * L, T + 1, u).index_select(0, hsel).view(B, C, K, T + 1, u)
+        mask = ((sh.ar_t <= slot[..., None]) & (sh.ar_t < T))[..., None, :]  # (B, C, K, 1, T+1)
+        # Every query sees at least slot 0 of its expert (dead ones too): no `seen` multiplier.
+        ys = masked_attention(qs[..., None, :], kc, vc, attention_bias(mask, qs.dtype), sparse_scale)[..., 0, :]
+        # A row with no live token keeps its state bit for bit (not just equivalently).
+        taken_new = (taken_new & sh.row_live) | (taken & ~sh.row_live)
+        taken = taken_new if not inplace else taken.copy_(taken_new)
+        return y + torch.einsum("bcku,bckud,bck->bcd", ys, experts(bea.o_proj, idx), P)  # (B, C, d)
+
+    x = layer(x, attn)
+    return x, (() if inplace else (taken, lk, lv, sk, sv)), routing[0]
+
+
+_nested_layer_step = torch.compiler.nested_compile_region(_layer_step)
 
 
 def experts(w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -149,20 +211,18 @@ class StepModule(nn.Module):
     Args:
         model: `ShramForCausalLM`.
         state: its `StaticState`.
-        linear: passed to `step` (default F.linear).
     """
 
-    def __init__(self, model, state: StaticState, linear=F.linear):
+    def __init__(self, model, state: StaticState):
         super().__init__()
         self.model = model
         self.state = state
-        self.linear = linear
         self.routing_log: list | None = None  # set to a list to record routing (eager only)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         """tokens (B, C) int64, input_pos (B,) int64, live (B, C) bool -> logits (B, C, V)."""
         logits, _, routing = step(self.model, self.state.tensors(), tokens, input_pos, live,
-                                  self.state.ring, inplace=True, linear=self.linear)
+                                  self.state.ring, inplace=True)
         if self.routing_log is not None:
             self.routing_log.append(routing)
         return logits

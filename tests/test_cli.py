@@ -157,39 +157,46 @@ def test_help_lists_subcommands(capsys):
     assert "generate" in out and "bench" in out
 
 
-def test_builtin_model_is_deterministic_and_not_degenerate():
-    from shram_static.default_model import default_config
+def test_builtin_model_is_deterministic_and_not_degenerate(capsys):
+    """The built-in model is the trained one shipped as package data: identical on every call,
+    no global RNG use, and `generate --prompt "ROMEO:"` prints English-looking text."""
     state = torch.random.get_rng_state()
     a, b = default_model(), default_model()
     assert torch.equal(torch.random.get_rng_state(), state), "the global RNG was used"
     for (k, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(va, vb), k
-    c = default_config()
-    assert (c.vocab_size, c.embedding_width, c.mlp_width, c.num_decoder_layers) == (259, 64, 192, 2)
-    assert (c.num_sliding_window_heads, c.num_mosrah_heads, c.num_selected_heads, c.head_dim) == (4, 8, 2, 16)
-    assert (c.window_size, c.training_sequence_length, c.inference_sequence_length) == (16, 256, 256)
     for name, v in a.state_dict().items():
-        assert bool((v != 0).all()), name
-        if name.endswith("residual_scale"):
-            assert 0.5 <= float(v) <= 1.5, name
+        assert bool((v != 0).any()), name
     logits = a(torch.tensor([ByteTokenizer().encode("Hello, world")])).logits[0]
     assert logits.std(-1).min() > 0.1  # not a flat distribution
     assert len(set(logits.argmax(-1).tolist())) > 1  # not the same token everywhere
+    assert main(["generate", "--prompt", "ROMEO:", "--max-new-tokens", "120"]) == 0
+    text = capsys.readouterr().out
+    assert text == _greedy_text(a, "ROMEO:", 120) + "\n"
+    assert text.isascii() and sum(c.isalpha() or c.isspace() for c in text) / len(text) > 0.85, text
+    common = {"the", "and", "to", "of", "i", "my", "you", "a", "is", "that", "not", "me", "with"}
+    assert len(common & set(text.lower().replace(",", " ").replace(".", " ").split())) >= 3, text
 
 
 def test_export_onnx_command_writes_loadable_artifacts(tmp_path, capsys):
     """`shram-static export --format onnx` writes the graphs and tokenizer.json; the loaded
-    graphs generate what StaticDecoder generates."""
+    graphs generate what StaticDecoder generates. On the test-local tiny model (the shape of the
+    first built-in model): exporting the trained built-in model (4 layers, capacity 1024) takes
+    minutes on 2 busy cores."""
+    from helpers import tiny_model
+
     from shram_static import StaticDecoder
     from shram_static.export import load_onnx
 
-    out = tmp_path / "out"
-    assert main(["export", "--format", "onnx", "--prefill-chunk", "8", "--out", str(out)]) == 0
+    out, ckpt = tmp_path / "out", tmp_path / "tiny"
+    tiny_model().save_pretrained(ckpt)
+    assert main(["export", "--format", "onnx", "--checkpoint", str(ckpt), "--prefill-chunk", "8",
+                 "--out", str(out)]) == 0
     written = capsys.readouterr().out.split()
     assert written == [str(out / "model.onnx")]
     assert (out / "tokenizer.json").is_file() and (out / "model.prefill.onnx").is_file()
     ids = torch.tensor([ByteTokenizer().encode("Hi there")])
-    want = StaticDecoder(default_model(), prefill_chunk=8).generate(ids, max_new_tokens=6)
+    want = StaticDecoder(ShramForCausalLM.from_pretrained(ckpt), prefill_chunk=8).generate(ids, max_new_tokens=6)
     assert torch.equal(load_onnx(str(out / "model.onnx")).generate(ids, max_new_tokens=6), want)
 
 

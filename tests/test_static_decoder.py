@@ -7,7 +7,7 @@ import torch
 
 from helpers import GOLDEN_CASES, golden_case, random_config, randomize_
 from shram_static import CapacityError, ShramForCausalLM, StaticDecoder, state_bytes
-from shram_static.decoder import row_linear
+from shram_static.decoder import RowLinear
 
 TOL = 1e-3
 
@@ -274,32 +274,50 @@ def test_steps_get_canonical_contiguous_inputs(monkeypatch):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_row_linear_equals_linear(dtype, tol):
     """The compiled batch-1 decode's projection, eager and compiled, against a float64 product;
-    several rows or a column-major weight take F.linear."""
+    several rows or a non-contiguous weight take F.linear."""
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(300, 96, generator=gen).to(dtype)
     x = torch.randn(1, 1, 96, generator=gen).to(dtype)
     want = (x.double() @ w.double().t()).float()
-    comp = torch.compile(row_linear, fullgraph=True, dynamic=False)
-    for f in (row_linear, comp):
-        got = f(x, w)
+    lin = RowLinear(w)
+    comp = torch.compile(lin, fullgraph=True, dynamic=False)
+    for f in (lin, comp):
+        got = f(x)
         assert got.dtype == dtype and got.shape == (1, 1, 300)
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     x4 = torch.randn(4, 1, 96, generator=gen).to(dtype)
-    torch.testing.assert_close(row_linear(x4, w), torch.nn.functional.linear(x4, w), atol=0, rtol=0)
-    wc = w.t().contiguous().t()  # column-major: MKL's GEMV layout
-    torch.testing.assert_close(row_linear(x, wc), torch.nn.functional.linear(x, wc), atol=0, rtol=0)
+    torch.testing.assert_close(lin(x4), torch.nn.functional.linear(x4, w), atol=0, rtol=0)
+    wc = w.t().contiguous().t()  # column-major
+    torch.testing.assert_close(RowLinear(wc)(x), torch.nn.functional.linear(x, wc), atol=0, rtol=0)
 
 
-def test_weight_layout_follows_the_decode_path():
-    """Compiled batch-1 decode reduces rows of row-major weights; every other decoder hands MKL
-    column-major ones. Values never change."""
-    model = randomize_(ShramForCausalLM(random_config(4)), 4)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    lin = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    StaticDecoder(model, batch_size=1)
-    assert all(w.t().is_contiguous() for w in lin)
-    dec = StaticDecoder(model, batch_size=1, compile=True)
-    assert all(w.is_contiguous() for w in lin) and dec.decode_module.linear is row_linear
-    assert StaticDecoder(model, batch_size=2, compile=True).decode_module.linear is not row_linear
+@pytest.mark.parametrize("tied", [False, True])
+def test_decoders_never_alter_the_model(tied):
+    """Building decoders (eager, compiled batch 1 with its RowLinear swap, compiled batch 2)
+    leaves the caller's module tree, weights, layouts and mode as they were; the decoders
+    hold the same weight tensors (no copy); two decoders on one model both stay correct."""
+    model = randomize_(ShramForCausalLM(random_config(4, tie_word_embeddings=tied)), 4)
+    model.train()
+    before = {k: (v.clone(), v.stride(), v.data_ptr()) for k, v in model.state_dict().items()}
+    types = [type(m) for m in model.modules()]
+    decs = [StaticDecoder(model, batch_size=1), StaticDecoder(model, batch_size=1, compile=True),
+            StaticDecoder(model, batch_size=2, compile=True)]
+    assert [type(m) for m in model.modules()] == types and model.training
     for k, v in model.state_dict().items():
-        assert torch.equal(v, before[k]), k
+        assert torch.equal(v, before[k][0]) and (v.stride(), v.data_ptr()) == before[k][1:], k
+    rows = decs[1].decode_module.model
+    swapped = [m for m in rows.modules() if isinstance(m, RowLinear)]
+    assert len(swapped) == sum(isinstance(m, torch.nn.Linear) for m in model.modules()) + tied
+    ptrs = {p.data_ptr() for p in model.parameters()}
+    assert all(m.weight.data_ptr() in ptrs for m in swapped), "a decoder copied a weight"
+    assert not any(isinstance(m, RowLinear) for m in decs[1].module.model.modules())
+    # two eager decoders on one model, interleaved, each equal to the uncached forward
+    model.eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
+    want = model(ids).logits
+    a, b = StaticDecoder(model, batch_size=1, prefill_chunk=4), StaticDecoder(model, batch_size=1, prefill_chunk=3)
+    la, lb = a.prefill(ids[:, :5]), b.prefill(ids[:, :5])
+    la = torch.cat([la, a.prefill(ids[:, 5:])], 1)
+    lb = torch.cat([lb, b.prefill(ids[:, 5:])], 1)
+    torch.testing.assert_close(la, want, atol=TOL, rtol=0)
+    torch.testing.assert_close(lb, want, atol=TOL, rtol=0)

@@ -35,7 +35,8 @@ def export_main(args) -> int:
         if fmt == "pte":
             suffix = f".{args.quantize}" if args.quantize else ""
             path = export_pte(model, f"{stem}{suffix}.pte", batch_size=args.batch_size,
-                              prefill_chunk=args.prefill_chunk, quantize=args.quantize, eos_token_id=eos)
+                              prefill_chunk=args.prefill_chunk, quantize=args.quantize, eos_token_id=eos,
+                              bos_token_id=tok.bos_token_id)
         else:
             if args.quantize:
                 print("note: --quantize applies to .pte only; the .onnx stays fp32", file=sys.stderr)
@@ -55,5 +56,6 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, help="output directory (created)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--prefill-chunk", type=int, default=32)
-    p.add_argument("--quantize", choices=["int8"], default=None, help="int8 linear layers (.pte only)")
+    p.add_argument("--quantize", choices=["int8", "8da4w"], default=None,
+                   help="int8: int8 weights per channel; 8da4w: int4 weights in groups of 32 (.pte only)")
     p.set_defaults(func=export_main)

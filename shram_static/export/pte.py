@@ -6,7 +6,9 @@ One program holds:
     `decode(tokens [B, 1], input_pos [B], live [B, 1] bool) -> logits [B, V]`;
   * `prefill(tokens [B, C], input_pos [B], live [B, C] bool) -> logits [B, C, V]`;
   * constant methods read by the stock runner (`get_max_seq_len`, `get_max_context_len`,
-    `use_kv_cache`, `enable_dynamic_shape`, `get_eos_ids`) and by `load_pte`
+    `use_kv_cache`, `enable_dynamic_shape`, `get_eos_ids`), by optimum-executorch's
+    `ExecuTorchModelForCausalLM` (also `get_bos_id`, `get_vocab_size`, `get_max_batch_size`,
+    `get_dtype`) and by `load_pte`
     (`get_shram_config`: the model config JSON; `get_shram_export`: batch size, chunk,
     quantization, state names, method names, as JSON).
 Both step methods share one set of mutable state buffers. Every piece of bookkeeping is
@@ -25,11 +27,14 @@ from ..config import ShramConfig
 from ..host import HostDecoder
 from ..state import StaticState
 from ..step import StepModule
+from .quantize import QUANTIZE_MODES, quantize_linears
 
 FORMAT = "shram_static.pte/1"
-QUANTIZE_MODES = (None, "int8")
 # file_identifier of the ExecuTorch flatbuffer (bytes 4..8 of every .pte written by 1.x).
 _PTE_MAGIC = b"ET12"
+
+
+_SCALAR_TYPE = {torch.float32: 6, torch.float16: 5, torch.bfloat16: 15}  # c10::ScalarType codes
 
 
 class ExportFormatError(ValueError):
@@ -67,14 +72,15 @@ class _Chunk(nn.Module):
         return logits[:, -1, :] if self.last else logits
 
 
-def check_export_args(cfg: ShramConfig, batch_size, prefill_chunk, eos_token_id) -> None:
+def check_export_args(cfg: ShramConfig, batch_size, prefill_chunk, eos_token_id, bos_token_id=None) -> None:
     """Raises ValueError on export arguments that cannot make a program (shared by .pte/.onnx)."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
-    if eos_token_id is not None and not 0 <= int(eos_token_id) < cfg.vocab_size:
-        raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {cfg.vocab_size})")
+    for name, tid in (("eos_token_id", eos_token_id), ("bos_token_id", bos_token_id)):
+        if tid is not None and not 0 <= int(tid) < cfg.vocab_size:
+            raise ValueError(f"{name} {tid} is outside the vocabulary [0, {cfg.vocab_size})")
 
 
 def export_copy(model: nn.Module) -> nn.Module:
@@ -90,34 +96,6 @@ def export_copy(model: nn.Module) -> nn.Module:
             if not t.is_contiguous():
                 t.data = t.data.contiguous()
     return m
-
-
-def quantize_int8(model: nn.Module) -> nn.Module:
-    """Returns a copy of `model` whose nn.Linear layers use dynamic int8 activations and int8
-    per-channel weights (torchao `Int8DynamicActivationIntxWeightConfig`, "8da8w").
-
-    WHY this config: it is the flow executorch 1.4.1's own LLM export uses, and XNNPACK lowers
-    it to QD8 GEMMs (probe: 0.37x file size, 5x faster linears). Weight-only int8
-    (`IntxWeightOnlyConfig`) lowered to a program that returned NaN with fp32-sized weights, and
-    8-bit embeddings need `quantized_decomposed::embedding_byte`, which the pip runtime lacks.
-    The sparse path's per-expert matrices (L, d, u) are gathered per token, not nn.Linear, and
-    stay in the model dtype.
-
-    Args:
-        model: a `ShramForCausalLM` (left untouched).
-
-    Returns:
-        The quantized copy.
-    """
-    from torchao.quantization.granularity import PerAxis
-    from torchao.quantization.quant_api import Int8DynamicActivationIntxWeightConfig, quantize_
-
-    q = copy.deepcopy(model).eval()
-    # Every nn.Linear, lm_head included: the model computes logits with F.linear, which a torchao
-    # int8 weight implements (it has no `aten.t`, so `x @ W.t()` would fail here).
-    quantize_(q, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0)),
-              filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
-    return q
 
 
 def _init_first_method_pass(names):
@@ -189,8 +167,20 @@ def program_ops(et_program, method: str) -> dict:
             "backends": sorted(backends)}
 
 
+def _drop_provenance(ep) -> None:
+    """Deletes the `from_node` provenance of every node of an exported program, in place.
+
+    WHY: torch.fx records, on every node a pass creates, a deep copy of the whole provenance
+    chain of the node it came from, so each of lowering's hundreds of passes copies chains that
+    grow with every pass (profile of the built-in model: 62 of 291 s in `copy.deepcopy` under
+    `fx.traceback.NodeSource`). Provenance is debugging metadata; the program does not change.
+    """
+    for node in ep.graph.nodes:
+        node.meta.pop("from_node", None)
+
+
 def lower_program(model, batch_size: int = 1, prefill_chunk: int = 32, quantize: str | None = None,
-                  eos_token_id: int | None = None):
+                  eos_token_id: int | None = None, bos_token_id: int | None = None):
     """Exports and lowers the two steps; returns the `ExecutorchProgramManager` (not written).
 
     Args: as `export_pte`.
@@ -199,17 +189,19 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int = 32, quantize:
         The program manager; `.buffer` is the .pte bytes.
     """
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
     cfg: ShramConfig = model.config
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
-    check_export_args(cfg, batch_size, prefill_chunk, eos_token_id)
+    eos_token_id = getattr(cfg, "eos_token_id", None) if eos_token_id is None else eos_token_id
+    bos_token_id = getattr(cfg, "bos_token_id", None) if bos_token_id is None else bos_token_id
+    check_export_args(cfg, batch_size, prefill_chunk, eos_token_id, bos_token_id)
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
-    if quantize == "int8":
-        model = quantize_int8(model)
+    if quantize is not None:
+        model = quantize_linears(model, quantize)
     B, C = batch_size, prefill_chunk
     state = StaticState(cfg, B, C, dtype=dtype)
     step = StepModule(model, state).eval()
@@ -226,23 +218,39 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int = 32, quantize:
     with torch.no_grad():
         ep_dec = torch.export.export(dec, dec_args, strict=True)
         ep_pre = torch.export.export(_Chunk(step, last=False), pre_args, strict=True)
+    for ep in (ep_dec, ep_pre):
+        _drop_provenance(ep)
     meta = {
         "format": FORMAT, "batch_size": B, "prefill_chunk": C, "quantize": quantize,
         "dtype": str(dtype).replace("torch.", ""), "decode_method": decode_name,
         "prefill_method": "prefill", "state_names": state.names(), "eos_token_id": eos_token_id,
+        "bos_token_id": bos_token_id,
     }
     constants = {
         "get_max_seq_len": cfg.inference_sequence_length,
         "get_max_context_len": cfg.inference_sequence_length,
         "use_kv_cache": True,
         "enable_dynamic_shape": False,
+        # Read by optimum-executorch's ExecuTorchModelForCausalLM (and the llama runners):
+        # get_dtype is a c10::ScalarType code (6 float32, 5 float16, 15 bfloat16); an unknown
+        # BOS is -1 and an unknown EOS an empty list (no stop token).
+        "get_max_batch_size": B,
+        "get_vocab_size": cfg.vocab_size,
+        "get_dtype": _SCALAR_TYPE[dtype],
+        "get_bos_id": -1 if bos_token_id is None else int(bos_token_id),
+        "get_eos_ids": [] if eos_token_id is None else [int(eos_token_id)],
         "get_shram_config": cfg.to_json_string(use_diff=False),  # string constants work (probe 1)
         "get_shram_export": json.dumps(meta),
     }
-    if eos_token_id is not None:
-        constants["get_eos_ids"] = [int(eos_token_id)]
     # Decode first: the first method is the one that carries the state's starting values.
+    # _check_ir_validity=False, as ExecuTorch's llama export does. WHY: the edge verifier re-checks
+    # every graph after every pass (~10% of lowering time), and since a delegate holds a whole
+    # norm + projections block (export/probes/README.md, section 6) it rejects, inside XNNPACK's
+    # own preprocessing of such a partition, the `aten.linear` nodes the XNNPACK partitioner keeps
+    # undecomposed for its linear kernel (SpecViolationError: "not in Core ATen opset"). What the
+    # program runs is checked by running it (tests/test_export_pte.py: allowlisted kernels only).
     edge = to_edge_transform_and_lower({decode_name: ep_dec, "prefill": ep_pre},
+                                       compile_config=EdgeCompileConfig(_check_ir_validity=False),
                                        partitioner=[XnnpackPartitioner()], constant_methods=constants)
     return edge.to_executorch(ExecutorchBackendConfig(
         # share_mutable_buffers + emit_mutable_buffer_names: both methods address ONE copy of
@@ -259,7 +267,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int = 32, quantize:
 
 
 def export_pte(model, path, batch_size: int = 1, prefill_chunk: int = 32, quantize: str | None = None,
-               eos_token_id: int | None = None) -> str:
+               eos_token_id: int | None = None, bos_token_id: int | None = None) -> str:
     """Writes one ExecuTorch program (XNNPACK delegate, portable kernels for the rest).
 
     Args:
@@ -268,14 +276,17 @@ def export_pte(model, path, batch_size: int = 1, prefill_chunk: int = 32, quanti
         batch_size: B rows per call. B = 1 names the decode method `forward` with the stock
             runner's two inputs; B > 1 names it `decode` and adds per-row live flags.
         prefill_chunk: C tokens per `prefill` call.
-        quantize: None (float weights) or "int8" (dynamic int8 linear layers, `quantize_int8`).
+        quantize: None (float weights), "int8" (dynamic int8 activations, int8 per-channel
+            weights on every nn.Linear) or "8da4w" (int4 weights in groups of 32 where the input
+            width allows); see `shram_static.export.quantize.quantize_linears`.
         eos_token_id: stored as `get_eos_ids` (the stock runner stops on it) and used by the
-            loaded decoder's `generate`.
+            loaded decoder's `generate`; default the config's `eos_token_id`.
+        bos_token_id: stored as `get_bos_id`; default the config's `bos_token_id`.
 
     Returns:
         The path written.
     """
-    et = lower_program(model, batch_size, prefill_chunk, quantize, eos_token_id)
+    et = lower_program(model, batch_size, prefill_chunk, quantize, eos_token_id, bos_token_id)
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "wb") as f:

@@ -1,0 +1,65 @@
+"""Decoders by backend name, shared by `shram-static generate` and `shram-static eval`.
+
+`eager` and `compiled` are `StaticDecoder`s; `pte`, `pte-int8`, `pte-8da4w` and `onnx` export the
+model into a temporary directory (removed by the caller's `ExitStack`) and load the artifact,
+so a user can check an export or a quantization end to end from one command.
+"""
+
+import contextlib
+import os
+import sys
+import tempfile
+import time
+
+BACKENDS = ("eager", "compiled", "pte", "pte-int8", "pte-8da4w", "onnx")
+_QUANTIZE = {"pte": None, "pte-int8": "int8", "pte-8da4w": "8da4w"}
+
+
+def _info(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def make_decoder(model, backend: str, prefill_chunk: int, stack: contextlib.ExitStack,
+                 eos_token_id: int | None = None, bos_token_id: int | None = None):
+    """A batch-1 decoder of `model` on `backend`.
+
+    Args:
+        model: a `ShramForCausalLM` (not modified).
+        backend: one of `BACKENDS`.
+        prefill_chunk: tokens per prefill step.
+        stack: owns the temporary directory of an export backend.
+        eos_token_id, bos_token_id: stored in an exported program (and used by `generate`).
+
+    Returns:
+        A `HostDecoder` (`prefill`, `decode`, `reset`, `generate`).
+
+    Raises:
+        ValueError: an unknown backend, or an export backend whose module cannot be imported.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend in ("eager", "compiled"):
+        from .decoder import StaticDecoder
+        return StaticDecoder(model, batch_size=1, prefill_chunk=prefill_chunk,
+                             compile=backend == "compiled", eos_token_id=eos_token_id)
+    try:
+        from .export import export_onnx, export_pte, load_onnx, load_pte
+    except ImportError as e:
+        raise ValueError(f"backend {backend!r} needs shram_static.export, which failed to import: {e}") from e
+    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="shram_static_"))
+    t0 = time.perf_counter()
+    if backend == "onnx":
+        path = os.path.join(tmp, "model.onnx")
+        _info(f"exporting to ONNX ({path}) ...")
+        export_onnx(model, path, batch_size=1, prefill_chunk=prefill_chunk, eos_token_id=eos_token_id)
+        dec = load_onnx(path)
+    else:
+        path = os.path.join(tmp, "model.pte")
+        quantize = _QUANTIZE[backend]
+        _info(f"exporting to ExecuTorch{f' ({quantize})' if quantize else ''} ({path}); lowering takes "
+              f"a minute or more ...")
+        export_pte(model, path, batch_size=1, prefill_chunk=prefill_chunk, quantize=quantize,
+                   eos_token_id=eos_token_id, bos_token_id=bos_token_id)
+        dec = load_pte(path)
+    _info(f"exported and loaded in {time.perf_counter() - t0:.1f} s")
+    return dec

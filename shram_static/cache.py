@@ -1,0 +1,196 @@
+"""`ShramCache`: the fixed-shape SHRAM state (`StaticState`) as a `transformers.Cache`.
+
+`generate()` talks to a cache through a small protocol (transformers 5.x): `get_seq_length()`
+(it slices `input_ids` and the attention mask by it), `is_compileable` (auto-compile of the
+decode forward), `reorder_cache(beam_idx)` (beam search), and `crop` only in assisted decoding.
+SHRAM's state is not head-shaped key/value tensors that grow by one column per token: each
+decoder layer holds a local ring and per-expert sparse caches (see `state.py`), written by the
+static step (`step.py`). So the layers here are thin views on `StaticState.layers`, and all
+writing happens in `ShramCache.run`, the one place that calls the step.
+
+Two counters, both tensors: Python ints stored on the cache would be guarded by
+`torch.compile` and recompile the decode forward at every step.
+- `live_counts (B,)`: live tokens each row holds (the step's `input_pos`).
+- `columns ()`: padded columns consumed, what `get_seq_length()` reports; a dead (left-pad)
+  column counts, because `generate()` slices the padded `input_ids` and mask by it.
+"""
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .config import ShramConfig
+from .state import StaticState
+from .step import step
+
+DEFAULT_PREFILL_CHUNK = 32
+
+
+class ShramCacheLayer(CacheLayerMixin):
+    """One decoder layer's part of a `ShramCache` (its `LayerState` buffers).
+
+    The layer never takes key/value updates (`update` raises): the static step writes the
+    whole state at once. It exists so the `Cache` has one layer per decoder layer, as
+    transformers expects.
+    """
+
+    is_compileable = True
+    is_croppable = False
+
+    def __init__(self, cache: "ShramCache", index: int):
+        super().__init__()
+        self._cache = cache
+        self.index = index
+        self.batch_size = cache.state.batch_size
+        self.buffers = cache.state.layers[index]  # LayerState: taken, local_k/v, sparse_k/v
+        self.is_initialized = True  # allocated up front, never lazily
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        """Nothing to do: the state is allocated when the cache is built."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError("SHRAM cache layers are written by the static step "
+                                  "(ShramCache.run), not through Cache.update")
+
+    def get_seq_length(self) -> int:
+        return self._cache.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return self._cache.capacity
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._cache.get_seq_length() + query_length, 0
+
+    def reset(self) -> None:
+        """The whole state is reset by `ShramCache.reset`."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """The whole state is reordered by `ShramCache.reorder_cache`."""
+
+
+class ShramCache(Cache):
+    """Fixed-shape decoding state for `ShramForCausalLM.generate` (and direct forward calls).
+
+    Args:
+        config: the model's `ShramConfig`; `inference_sequence_length` is the capacity
+            (live tokens per row).
+        batch_size: B rows (for beam search / several return sequences: batch times
+            max(num_beams, num_return_sequences)).
+        prefill_chunk: C, tokens per prefill step; a longer input runs as several chunks of
+            exactly C (the last padded with dead tokens), so every prefill step has one shape.
+        dtype, device: of the state; use the model's (`model.dtype`, `model.device`).
+
+    Pass it as `model.generate(..., cache=cache)` to keep the state across calls: the next
+    call's `input_ids` must then be the whole sequence so far (earlier prompt and outputs
+    included, e.g. the previous call's output plus new tokens) and its attention mask must
+    cover all of it, as for any transformers cache.
+    """
+
+    def __init__(self, config: ShramConfig, batch_size: int = 1, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 dtype: torch.dtype = torch.float32, device=None):
+        if not isinstance(config, ShramConfig):
+            raise TypeError(f"config must be a ShramConfig, got {type(config).__name__}")
+        for name, v in (("batch_size", batch_size), ("prefill_chunk", prefill_chunk)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.config = config
+        self.state = StaticState(config, batch_size, prefill_chunk, dtype=dtype, device=device)
+        dev = self.state.layers[0].taken.device
+        self.live_counts = torch.zeros(batch_size, dtype=torch.long, device=dev)  # (B,)
+        self.columns = torch.zeros((), dtype=torch.long, device=dev)  # ()
+        super().__init__(layers=[ShramCacheLayer(self, i) for i in range(config.num_decoder_layers)])
+
+    # -- properties -------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.state.batch_size
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.state.prefill_chunk
+
+    @property
+    def capacity(self) -> int:
+        """Live tokens a row can hold (`inference_sequence_length`)."""
+        return self.config.inference_sequence_length
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.state.layers[0].local_k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.live_counts.device
+
+    # -- the transformers Cache protocol ----------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns of `input_ids` consumed so far (dead padding columns included)."""
+        return int(self.columns)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.capacity
+
+    def reset(self) -> None:
+        """Empties every row (the buffers are zeroed too, though position 0 alone would do)."""
+        self.state.zero_()
+        self.live_counts.zero_()
+        self.columns.zero_()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row b takes the state of row `beam_idx[b]`, in place (beam search)."""
+        idx = beam_idx.to(device=self.device, dtype=torch.long)
+        self.state.reorder_(idx)
+        self.live_counts.copy_(self.live_counts.index_select(0, idx))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("a ShramCache cannot be rolled back (crop): its routing and ring state keep no "
+                         "history, so assisted / prompt-lookup decoding is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise ValueError("a ShramCache has a fixed batch size; build one with the batch size you need")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise ValueError("a ShramCache has a fixed batch size; build one with the batch size you need")
+
+    # -- running the static step --------------------------------------------------------
+    def run(self, model, ids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """Appends N columns to every row and returns their logits.
+
+        N = 1 is one decode step; longer inputs run as ceil(N / C) prefill steps of exactly C
+        columns. No validation and no host read-back here (it runs inside the compiled decode
+        forward): `ShramForCausalLM.forward` validates eager calls, `generate` checks capacity
+        up front.
+
+        Args:
+            model: the `ShramForCausalLM` whose dtype and device this cache has.
+            ids: (B, N) int64 token ids.
+            live: (B, N) bool, False at dead (padding) columns.
+
+        Returns:
+            (B, N, V) logits (unspecified at dead columns).
+        """
+        B, N = ids.shape
+        if N == 1:
+            logits = self._step(model, ids, live)
+        else:
+            C = self.prefill_chunk
+            pad = (-N) % C
+            ids, live = F.pad(ids, (0, pad)), F.pad(live, (0, pad))
+            chunks = []
+            for c0 in range(0, N + pad, C):
+                lc = live[:, c0:c0 + C]
+                if not torch.compiler.is_compiling() and not bool(lc.any()):
+                    # A chunk of padding only is a no-op: skip its compute (eager only, as the
+                    # check reads a value back to the host).
+                    chunks.append(torch.zeros(B, C, model.config.vocab_size, dtype=self.dtype, device=self.device))
+                    continue
+                chunks.append(self._step(model, ids[:, c0:c0 + C], lc))
+            logits = torch.cat(chunks, dim=1)[:, :N]
+        self.columns.add_(N)
+        return logits
+
+    def _step(self, model, tokens: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        logits, _, _ = step(model=model, state=self.state.tensors(), tokens=tokens, input_pos=self.live_counts,
+                            live=live, ring=self.state.ring, inplace=True)
+        self.live_counts.add_(live.long().sum(1))
+        return logits

@@ -1,0 +1,32 @@
+"""Row reductions in the one form XNNPACK delegates.
+
+ExecuTorch's XNNPACK partitioner takes `mean.dim` only over the two innermost dims of a 4-D
+tensor with keepdim, and leaves `sum`/`mean` of any other shape and `amax` on portable kernels; every
+portable op between delegated ones splits the delegate (one more XNNPACK call per step, one more
+partition to lower). Viewing (..., n) as (-1, 1, 1, n) and averaging dims (2, 3) keeps entmax's
+bisection rounds and RMSNorm inside the surrounding delegate. Eager, Inductor and ONNX compute
+the same mean; the extra view is free. A max is a tree of elementwise `maximum`s over halves.
+"""
+
+import torch
+
+
+def mean_last(y: torch.Tensor) -> torch.Tensor:
+    """Mean over the last dim, kept: (..., n) -> (..., 1)."""
+    n = y.shape[-1]
+    return y.reshape(-1, 1, 1, n).mean(dim=(2, 3), keepdim=True).reshape(*y.shape[:-1], 1)
+
+
+def sum_last(y: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim, kept: (..., n) -> (..., 1)."""
+    return mean_last(y) * y.shape[-1]
+
+
+def max_last(y: torch.Tensor) -> torch.Tensor:
+    """Max over the last dim, kept: (..., n) -> (..., 1), as ceil(log2 n) elementwise maximums
+    of halves (slices, `maximum` and `cat` all stay in XNNPACK; `amax` would not)."""
+    while y.shape[-1] > 1:
+        h = y.shape[-1] // 2
+        m = torch.maximum(y[..., :h], y[..., h:2 * h])
+        y = torch.cat([m, y[..., 2 * h:]], dim=-1) if y.shape[-1] % 2 else m
+    return y

@@ -1,0 +1,55 @@
+"""`shram-static bench`: ratios against compiled torch and the floor, and the command end to end
+(eager on a tiny checkpoint: speed itself is never asserted; the benchmark reports it)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import tiny_model
+from shram_static.bench import add_ratios, contexts
+
+
+def _result(backend, ms, model="m", batch=1, read_bytes=2_000_000):
+    return dict(model=model, backend=backend, batch=batch, read_bytes=read_bytes,
+                points=[dict(context=64, decode_ms=ms[0]), dict(context=200, decode_ms=ms[1])])
+
+
+def test_ratios_are_against_the_same_model_batch_and_context():
+    rs = [_result("compiled", (2.0, 4.0)), _result("pte", (3.0, 2.0)),
+          _result("pte", (5.0, 5.0), batch=4), _result("compiled", (1.0, 1.0), model="other")]
+    add_ratios(rs, bandwidth=1e9)  # 2 MB at 1 GB/s: a 2 ms floor
+    assert rs[0]["floor_ms"] == 2.0
+    assert [p["x_compiled"] for p in rs[1]["points"]] == [1.5, 0.5]
+    assert [p["x_floor"] for p in rs[1]["points"]] == [1.5, 1.0]
+    assert [p["x_compiled"] for p in rs[2]["points"]] == [None, None]  # no compiled run at B=4
+
+
+def test_contexts_span_to_near_capacity():
+    assert contexts(1024, 32) == [64, 256, 512, 768, 991]
+    assert contexts(100, 8) == [25, 50, 64, 75, 91]
+
+
+def test_bench_command_writes_json_and_plot(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    tiny_model().save_pretrained(ckpt)
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    p = subprocess.run([sys.executable, "-m", "shram_static", "bench", "--models", str(ckpt),
+                        "--backends", "eager", "--batch-sizes", "1", "2", "--steps", "2",
+                        "--prefill-chunk", "8", "--json", str(out), "--plot", str(png)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["bandwidth_bytes_s"] > 0 and [r["batch"] for r in res["results"]] == [1, 2]
+    for r in res["results"]:
+        assert [q["context"] for q in r["points"]] == contexts(256, 2)
+        assert all(q["decode_ms"] > 0 and q["x_floor"] > 0 and q["x_compiled"] is None for q in r["points"])
+        assert r["peak_rss_mib"] > 0 and r["floor_ms"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "eager B=1" in p.stdout and "eager B=2" in p.stdout
+
+
+def test_bench_rejects_an_unknown_model(capsys):
+    from shram_static.cli import main
+    assert main(["bench", "--models", "no_such_model", "--backends", "eager"]) == 2
