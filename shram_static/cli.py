@@ -18,7 +18,8 @@ def _info(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: a positive integer."""
     try:
         value = int(text)
     except ValueError:
@@ -79,14 +80,14 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--checkpoint", metavar="DIR",
                    help="checkpoint directory (config.json + model.safetensors [+ tokenizer.json]); "
                         "default: the built-in model")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=32, metavar="N")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N")
     p.add_argument("--backend", choices=BACKENDS, default="eager",
                    help="eager or compiled (torch.compile) PyTorch, or an ExecuTorch (pte) / ONNX "
                         "export made into a temporary directory")
-    p.add_argument("--prefill-chunk", type=_positive_int, default=32, metavar="C",
+    p.add_argument("--prefill-chunk", type=positive_int, default=32, metavar="C",
                    help="tokens per prefill step")
     p.add_argument("--temperature", type=float, metavar="T", help="sample with this temperature")
-    p.add_argument("--top-k", type=_positive_int, metavar="K", help="sample from the K most likely tokens")
+    p.add_argument("--top-k", type=positive_int, metavar="K", help="sample from the K most likely tokens")
     p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling")
     p.add_argument("--seed", type=int, metavar="S", help="seed of the sampler")
     p.set_defaults(func=generate)

@@ -16,6 +16,7 @@ import sys
 import time
 
 from .backends import BACKENDS, make_decoder
+from .cli import positive_int
 
 
 def _info(msg: str) -> None:
@@ -157,17 +158,6 @@ def run(args) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    import argparse
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
 def register(subparsers) -> None:
     """Adds the `eval` subcommand to the CLI."""
     p = subparsers.add_parser("eval", help="bits per byte and perplexity of a model on a text file",
@@ -177,10 +167,10 @@ def register(subparsers) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="eager",
                    help="eager or compiled PyTorch, or an ExecuTorch (pte, pte-int8) / ONNX export "
                         "built into a temporary directory")
-    p.add_argument("--max-bytes", type=_positive_int, metavar="N", help="score only the first N bytes")
-    p.add_argument("--window", type=_positive_int, metavar="N",
+    p.add_argument("--max-bytes", type=positive_int, metavar="N", help="score only the first N bytes")
+    p.add_argument("--window", type=positive_int, metavar="N",
                    help="bytes per window (default: the model's capacity, inference_sequence_length)")
-    p.add_argument("--prefill-chunk", type=_positive_int, default=32, metavar="C", help="tokens per prefill step")
+    p.add_argument("--prefill-chunk", type=positive_int, default=32, metavar="C", help="tokens per prefill step")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
