@@ -76,6 +76,23 @@ def decode_read_bytes(model, batch_size: int, prefill_chunk: int) -> int:
     return (n + cfg.num_decoder_layers * cache) * es
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident memory in MiB.
+
+    VmHWM from /proc where there is one: `ru_maxrss` of a process started by fork + exec reports
+    its parent's peak too (Linux keeps it across exec), so every worker of one run read the same
+    ~1.4 GiB (the parent's 1 GiB bandwidth buffer).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
 def contexts(capacity: int, steps: int) -> list[int]:
     """Context lengths measured: 64, quarter, half and three quarters of capacity, and near it."""
     near = capacity - steps - 1
@@ -100,7 +117,7 @@ def export_one(model_name: str, backend: str, batch_size: int, prefill_chunk: in
                             quantize=EXPORTED[backend][1])]
     return dict(export_s=round(time.perf_counter() - t, 1),
                 file_mib=round(sum(os.path.getsize(f) for f in files) / 2**20, 1),
-                export_peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
+                export_peak_rss_mib=peak_rss_mib())
 
 
 def run_one(model_name: str, backend: str, batch_size: int, prefill_chunk: int, steps: int,
@@ -142,13 +159,14 @@ def run_one(model_name: str, backend: str, batch_size: int, prefill_chunk: int, 
         med = times[len(times) // 2]
         res["points"].append(dict(context=ctx, prefill_tok_s=round(B * ctx / tp, 1),
                                   decode_ms=round(1e3 * med, 3), decode_tok_s=round(B / med, 1)))
-    res["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    res["peak_rss_mib"] = peak_rss_mib()
     return res
 
 
 def add_ratios(results: list[dict], bandwidth: float) -> None:
-    """Adds the floor and, per context point, decode time / floor and decode time / compiled
-    torch's at the same model, batch size and context (None without a compiled result)."""
+    """Adds the floor and, per context point, `x_floor` = decode time / floor (1 is the ideal)
+    and `x_compiled` = decode speed / compiled torch's at the same model, batch size and context
+    (above 1: faster than compiled torch; None without a compiled result)."""
     compiled = {(r["model"], r["batch"]): r for r in results if r["backend"] == "compiled"}
     for r in results:
         r["floor_ms"] = round(1e3 * r["read_bytes"] / bandwidth, 3)
@@ -156,7 +174,7 @@ def add_ratios(results: list[dict], bandwidth: float) -> None:
         ref_ms = {p["context"]: p["decode_ms"] for p in ref["points"]} if ref else {}
         for p in r["points"]:
             p["x_floor"] = round(p["decode_ms"] / r["floor_ms"], 2)
-            p["x_compiled"] = round(p["decode_ms"] / ref_ms[p["context"]], 2) if p["context"] in ref_ms else None
+            p["x_compiled"] = round(ref_ms[p["context"]] / p["decode_ms"], 2) if p["context"] in ref_ms else None
 
 
 def _subprocess(args: list[str]) -> dict:
@@ -210,7 +228,7 @@ def bench(args) -> int:
 
 def format_row(r: dict) -> str:
     a, z = r["points"][0], r["points"][-1]
-    ratio = lambda p: (f" = {p['x_compiled']:.2f}x compiled" if p["x_compiled"] is not None else "")  # noqa: E731
+    ratio = lambda p: (f", {p['x_compiled']:.2f}x compiled's speed" if p["x_compiled"] is not None else "")  # noqa: E731
     built = (f"export {r['export_s']:.0f} s, file {r['file_mib']:.1f} MiB" if "export_s" in r
              else f"warm-up {r['warmup_s']:.1f} s")
     return (f"{r['model']:>7} {r['backend']:>8} B={r['batch']}: decode {a['decode_ms']:.2f} ms "

@@ -21,7 +21,7 @@ def test_ratios_are_against_the_same_model_batch_and_context():
           _result("pte", (5.0, 5.0), batch=4), _result("compiled", (1.0, 1.0), model="other")]
     add_ratios(rs, bandwidth=1e9)  # 2 MB at 1 GB/s: a 2 ms floor
     assert rs[0]["floor_ms"] == 2.0
-    assert [p["x_compiled"] for p in rs[1]["points"]] == [1.5, 0.5]
+    assert [p["x_compiled"] for p in rs[1]["points"]] == [0.67, 2.0]  # speed: compiled ms / pte ms
     assert [p["x_floor"] for p in rs[1]["points"]] == [1.5, 1.0]
     assert [p["x_compiled"] for p in rs[2]["points"]] == [None, None]  # no compiled run at B=4
 
@@ -45,7 +45,9 @@ def test_bench_command_writes_json_and_plot(tmp_path):
     for r in res["results"]:
         assert [q["context"] for q in r["points"]] == contexts(256, 2)
         assert all(q["decode_ms"] > 0 and q["x_floor"] > 0 and q["x_compiled"] is None for q in r["points"])
-        assert r["peak_rss_mib"] > 0 and r["floor_ms"] > 0
+        assert r["floor_ms"] > 0
+        # the worker's own peak (it never holds the parent's 1 GiB bandwidth buffer)
+        assert 0 < r["peak_rss_mib"] < 1024, r["peak_rss_mib"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "eager B=1" in p.stdout and "eager B=2" in p.stdout
 
