@@ -19,7 +19,7 @@ from torch import nn
 from .attention import attention_bias, masked_attention
 from .rope import apply_rope
 from .routing import route
-from .state import LAYER_BUFFERS, StaticState
+from .state import StaticState
 
 
 def _write(buf: torch.Tensor, rows: torch.Tensor, vals: torch.Tensor, inplace: bool) -> torch.Tensor:

@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 
 from helpers import tiny_model
 from shram_static.bench import add_ratios, contexts

@@ -86,9 +86,9 @@ def check_export_args(cfg: ShramConfig, batch_size, prefill_chunk, eos_token_id,
 def export_copy(model: nn.Module) -> nn.Module:
     """A copy of `model` in eval mode with every parameter and buffer contiguous.
 
-    WHY: exporting must not touch the caller's model, and `StaticDecoder` re-lays nn.Linear
-    weights out column-major in place (its GEMV layout); the exporters and XNNPACK's weight
-    serialisation are only exercised on the default row-major layout.
+    WHY: exporting (and quantizing) must not touch the caller's model, and a caller may hand
+    in transposed or sliced weights; the exporters and XNNPACK's weight serialisation are only
+    exercised on the default row-major layout.
     """
     m = copy.deepcopy(model).eval()
     with torch.no_grad():
