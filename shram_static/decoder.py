@@ -11,13 +11,20 @@ from .state import StaticState
 from .step import StepModule
 
 
+FEW_ROWS = 8  # decode batches up to this size take RowLinear's W @ X^T form
+
+
 class RowLinear(nn.Module):
-    """`nn.Linear` (no bias) for the compiled batch-1 decode step: with ONE row, an elementwise
-    product reduced over the input width, which Inductor turns into a single pass over the
-    row-major `weight` at near the machine's read bandwidth (WHY: MKL's GEMV reached ~55% of it
-    here, and a decode step is GEMVs: the bench model's 85 linears took 8.9 ms this way vs
-    14.5 ms as mm). Several rows go to F.linear (a reduction would re-read `weight` per row).
-    Accumulates in fp32.
+    """`nn.Linear` (no bias) for the compiled decode step on CPU.
+
+    ONE row: an elementwise product reduced over the input width (accumulated in fp32), which
+    Inductor turns into a single pass over the row-major `weight` at near the machine's read
+    bandwidth (WHY: MKL's GEMV reached ~55% of it here, and a decode step is GEMVs: the bench
+    model's 85 linears took 8.9 ms this way vs 14.5 ms as mm).
+    Up to FEW_ROWS rows: `(W @ X^T)^T`. WHY: MKL's sgemm for X @ W^T with 4 rows re-reads W
+    per row (the bench model's 103 MB lm_head: 20.6 ms at 4 rows vs 8.2 ms at 1), while
+    W @ X^T streams W once (6.2 ms at 4 rows; 1366x512: 0.114 vs 0.207 ms; one thread of this
+    machine busy, `torch.mm` eager, same run). More rows (prefill) go to F.linear.
 
     Args:
         weight: (out, in), shared with the module it replaces (never copied).
@@ -30,9 +37,12 @@ class RowLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) -> (..., out) in x's dtype."""
         w = self.weight
-        if x.numel() != x.shape[-1] or not w.is_contiguous():
+        n = x.numel() // x.shape[-1]  # rows
+        if n > FEW_ROWS or not w.is_contiguous():
             return F.linear(x, w)
-        return (x[..., None, :].float() * w.float()).sum(-1).to(x.dtype)  # (..., out)
+        if n == 1:
+            return (x[..., None, :].float() * w.float()).sum(-1).to(x.dtype)  # (..., out)
+        return (w @ x.reshape(n, -1).T).T.reshape(*x.shape[:-1], w.shape[0])  # (..., out)
 
 
 def shared_copy(model: nn.Module) -> nn.Module:
@@ -65,7 +75,7 @@ class StaticDecoder(HostDecoder):
         batch_size: B rows.
         prefill_chunk: C tokens per prefill step (prompts are split into C-token chunks).
         compile: wrap both steps in `torch.compile(fullgraph=True, dynamic=False)`; each
-            compiles once, on first use. With batch_size 1 on CPU the compiled decode step
+            compiles once, on first use. With batch_size <= FEW_ROWS on CPU the compiled decode step
             runs its projections as `RowLinear` on the decoder's own `shared_copy` of the model
             (same weight tensors); the model passed in is never modified.
         eos_token_id: id that ends a row in `generate`.
@@ -84,7 +94,7 @@ class StaticDecoder(HostDecoder):
         self.state = StaticState(model.config, batch_size, prefill_chunk, dtype=p.dtype, device=p.device)
         self.module = StepModule(self.model, self.state)
         self.decode_module = self.module
-        if compile and batch_size == 1 and p.device.type == "cpu":
+        if compile and batch_size <= FEW_ROWS and p.device.type == "cpu":
             self.decode_module = StepModule(row_linear_(shared_copy(self.model)), self.state)
         self.compiled = compile
         if compile:

@@ -4,7 +4,7 @@ ExecuTorch's XNNPACK partitioner takes `mean.dim` only over the two innermost di
 tensor with keepdim, and leaves `sum`/`mean` of any other shape and `amax` on portable kernels; every
 portable op between delegated ones splits the delegate (one more XNNPACK call per step, one more
 partition to lower). Viewing (..., n) as (-1, 1, 1, n) and averaging dims (2, 3) keeps entmax's
-bisection rounds and RMSNorm inside the surrounding delegate. Eager, Inductor and ONNX compute
+Newton steps and RMSNorm inside the surrounding delegate. Eager, Inductor and ONNX compute
 the same mean; the extra view is free. A max is a tree of elementwise `maximum`s over halves.
 """
 
@@ -15,11 +15,6 @@ def mean_last(y: torch.Tensor) -> torch.Tensor:
     """Mean over the last dim, kept: (..., n) -> (..., 1)."""
     n = y.shape[-1]
     return y.reshape(-1, 1, 1, n).mean(dim=(2, 3), keepdim=True).reshape(*y.shape[:-1], 1)
-
-
-def sum_last(y: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim, kept: (..., n) -> (..., 1)."""
-    return mean_last(y) * y.shape[-1]
 
 
 def max_last(y: torch.Tensor) -> torch.Tensor:

@@ -76,12 +76,12 @@ def route(h: torch.Tensor, routing_weight: torch.Tensor, live: torch.Tensor, sta
     """
     z = F.linear(h, routing_weight).float()  # (B, C, L); linear, as XNNPACK delegates it
     if torch.is_grad_enabled() and z.requires_grad:
-        # Training: `entmax12` is a fixed-iteration bisection whose autograd differentiates the
-        # search steps (comparisons and a threshold found by counting), not the entmax
-        # Jacobian (the threshold moves only with max(z)), so the router would get a wrong
-        # gradient. The `entmax` package's bisection has the exact closed-form backward, but it
-        # is a custom autograd.Function of 50 sequential halvings that the exporters do not
-        # take, so inference (and every export) keeps `entmax12`; same forward values.
+        # Training: `entmax12` is a fixed number of Newton steps whose autograd differentiates
+        # the unrolled steps (through clamps and a starting point set by max(z)), not the
+        # entmax Jacobian, so the router would get an approximate gradient. The `entmax`
+        # package's bisection has the exact closed-form backward, but it is a custom
+        # autograd.Function of 50 sequential halvings that the exporters do not take, so
+        # inference (and every export) keeps `entmax12`; same forward values.
         import entmax
         scores = entmax.entmax_bisect(z, alpha=1.2)
     else:

@@ -95,12 +95,12 @@ TINY_CONFIG = dict(vocab_size=259, embedding_width=64, mlp_width=192, num_decode
                    head_dim=16, window_size=16, training_sequence_length=256)
 
 
-def tiny_model(seed: int = 20240601) -> ShramForCausalLM:
-    """`TINY_CONFIG` with the first built-in model's seeded weights, bit for bit (the int8 drift
-    bounds of tests/test_export_pte.py were measured on them): projections normal / sqrt(fan_in),
-    embedding normal(0, 1), norms 1 + 0.1 * normal, residual gates uniform(0.5, 1.5)."""
+def tiny_model(seed: int = 20240601, **overrides) -> ShramForCausalLM:
+    """`TINY_CONFIG` (with `overrides`) and the first built-in model's seeded weights, bit for bit
+    without overrides: projections normal / sqrt(fan_in), embedding normal(0, 1), norms
+    1 + 0.1 * normal, residual gates uniform(0.5, 1.5)."""
     with torch.random.fork_rng(devices=[]):  # the constructor's init draws from the global RNG
-        model = ShramForCausalLM(ShramConfig(**TINY_CONFIG))
+        model = ShramForCausalLM(ShramConfig(**dict(TINY_CONFIG, **overrides)))
     return randomize_(model, seed, gates=(0.5, 1.5), norm=0.1, proj=None).eval()
 
 

@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 
-from helpers import tiny_model
+from helpers import TINY_CONFIG, randomize_
+from shram_static import ShramConfig, ShramForCausalLM
 from shram_static.bench import add_ratios, contexts
 
 
@@ -32,7 +33,9 @@ def test_contexts_span_to_near_capacity():
 
 def test_bench_command_writes_json_and_plot(tmp_path):
     ckpt = tmp_path / "ckpt"
-    tiny_model().save_pretrained(ckpt)
+    # one layer, capacity 128: the command's plumbing, not the model, is under test
+    cfg = ShramConfig(**dict(TINY_CONFIG, num_decoder_layers=1, training_sequence_length=128))
+    randomize_(ShramForCausalLM(cfg), 0).save_pretrained(ckpt)
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     p = subprocess.run([sys.executable, "-m", "shram_static", "bench", "--models", str(ckpt),
                         "--backends", "eager", "--batch-sizes", "1", "2", "--steps", "2",
@@ -42,7 +45,7 @@ def test_bench_command_writes_json_and_plot(tmp_path):
     res = json.loads(out.read_text())
     assert res["bandwidth_bytes_s"] > 0 and [r["batch"] for r in res["results"]] == [1, 2]
     for r in res["results"]:
-        assert [q["context"] for q in r["points"]] == contexts(256, 2)
+        assert [q["context"] for q in r["points"]] == contexts(128, 2)
         assert all(q["decode_ms"] > 0 and q["x_floor"] > 0 and q["x_compiled"] is None for q in r["points"])
         assert r["floor_ms"] > 0
         # the worker's own peak (it never holds the parent's 1 GiB bandwidth buffer)

@@ -203,3 +203,11 @@ def test_export_onnx_command_writes_loadable_artifacts(tmp_path, capsys):
 def test_export_bad_format_exits_2(tmp_path, capsys):
     assert main(["export", "--format", "tflite", "--out", str(tmp_path)]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_export_decode_only_is_pte_only(tmp_path, capsys):
+    """`--decode-only` leaves out the .pte's prefill method; an .onnx export always has both
+    graphs, so asking for it there is an error before anything is loaded or written."""
+    assert main(["export", "--format", "pte,onnx", "--decode-only", "--out", str(tmp_path / "o")]) == 2
+    assert "--decode-only applies to --format pte" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

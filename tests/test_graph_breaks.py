@@ -42,7 +42,7 @@ def inputs(cfg, n, seed, start=0):
     return ids, torch.full((B,), start, dtype=torch.long), live
 
 
-@pytest.mark.parametrize("batch", [B, 1])  # batch 1 decodes with RowLinear when compiled
+@pytest.mark.parametrize("batch", [B, 1])  # RowLinear: a reduction at batch 1, W @ X^T at B
 def test_decode_step_has_no_graph_breaks(model, batch):
     dec = StaticDecoder(model, batch_size=batch, prefill_chunk=C, compile=True)
     with torch.no_grad():
@@ -59,7 +59,7 @@ def test_prefill_step_has_no_graph_breaks(model):
     assert ex.graph_count == 1
 
 
-@pytest.mark.parametrize("B", [B, 1])  # batch 1 decodes with RowLinear when compiled
+@pytest.mark.parametrize("B", [B, 1])  # RowLinear: a reduction at batch 1, W @ X^T at B
 def test_compiled_steps_never_recompile_and_match_eager(model, B):
     """Three prefill chunks and more than 2*window_size decode steps, all with fresh inputs of
     the same shapes, under fail_on_recompile; outputs equal eager at every step."""

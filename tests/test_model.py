@@ -189,11 +189,12 @@ def test_bad_attention_mask(small, make, exc, words):
 
 
 def test_entmax12_matches_reference_package():
-    """The library's round-based bisection against the `entmax` package's 50-halving one,
-    over wide and narrow logit scales, ties, and one dominant expert."""
+    """The library's Newton solve against the `entmax` package's 50-halving bisection, over
+    wide and narrow logit scales, ties, one dominant expert, and expert counts far beyond any
+    shipped config (the Newton step count grows with L; too few steps would show here)."""
     entmax = pytest.importorskip("entmax")
     gen = torch.Generator().manual_seed(3)
-    for L, scale in ((8, 0.1), (16, 1.0), (16, 30.0), (64, 5.0)):
+    for L, scale in ((2, 1.0), (8, 0.1), (16, 1.0), (16, 30.0), (64, 5.0), (256, 0.3), (1024, 0.3)):
         z = torch.randn(200, L, generator=gen) * scale
         z[0] = 0.0  # all tied: uniform
         z[1, 0] = 100.0  # one expert takes everything

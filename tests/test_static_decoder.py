@@ -7,7 +7,7 @@ import torch
 
 from helpers import GOLDEN_CASES, golden_case, random_config, randomize_
 from shram_static import CapacityError, ShramForCausalLM, StaticDecoder, state_bytes
-from shram_static.decoder import RowLinear
+from shram_static.decoder import FEW_ROWS, RowLinear
 
 TOL = 1e-3
 
@@ -273,27 +273,29 @@ def test_steps_get_canonical_contiguous_inputs(monkeypatch):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_row_linear_equals_linear(dtype, tol):
-    """The compiled batch-1 decode's projection, eager and compiled, against a float64 product;
-    several rows or a non-contiguous weight take F.linear."""
+    """The compiled decode's projection, eager and compiled, against a float64 product: one row
+    (a reduction) and a few rows (W @ X^T); more rows or a non-contiguous weight take F.linear."""
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(300, 96, generator=gen).to(dtype)
     x = torch.randn(1, 1, 96, generator=gen).to(dtype)
     want = (x.double() @ w.double().t()).float()
-    lin = RowLinear(w)
-    comp = torch.compile(lin, fullgraph=True, dynamic=False)
-    for f in (lin, comp):
-        got = f(x)
-        assert got.dtype == dtype and got.shape == (1, 1, 300)
-        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     x4 = torch.randn(4, 1, 96, generator=gen).to(dtype)
-    torch.testing.assert_close(lin(x4), torch.nn.functional.linear(x4, w), atol=0, rtol=0)
+    want4 = (x4.double() @ w.double().t()).float()
+    lin = RowLinear(w)
+    for f in (lin, torch.compile(lin, fullgraph=True, dynamic=False)):
+        for xi, wi in ((x, want), (x4, want4)):
+            got = f(xi)
+            assert got.dtype == dtype and got.shape == (xi.shape[0], 1, 300)
+            torch.testing.assert_close(got.float(), wi, atol=tol, rtol=tol)
+    many = torch.randn(FEW_ROWS + 1, 96, generator=gen).to(dtype)
+    torch.testing.assert_close(lin(many), torch.nn.functional.linear(many, w), atol=0, rtol=0)
     wc = w.t().contiguous().t()  # column-major
     torch.testing.assert_close(RowLinear(wc)(x), torch.nn.functional.linear(x, wc), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_decoders_never_alter_the_model(tied):
-    """Building decoders (eager, compiled batch 1 with its RowLinear swap, compiled batch 2)
+    """Building decoders (eager, compiled batch 1 and 2 with their RowLinear swap)
     leaves the caller's module tree, weights, layouts and mode as they were; the decoders
     hold the same weight tensors (no copy); two decoders on one model both stay correct."""
     model = randomize_(ShramForCausalLM(random_config(4, tie_word_embeddings=tied)), 4)
@@ -305,12 +307,12 @@ def test_decoders_never_alter_the_model(tied):
     assert [type(m) for m in model.modules()] == types and model.training
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k][0]) and (v.stride(), v.data_ptr()) == before[k][1:], k
-    rows = decs[1].decode_module.model
-    swapped = [m for m in rows.modules() if isinstance(m, RowLinear)]
-    assert len(swapped) == sum(isinstance(m, torch.nn.Linear) for m in model.modules()) + tied
     ptrs = {p.data_ptr() for p in model.parameters()}
-    assert all(m.weight.data_ptr() in ptrs for m in swapped), "a decoder copied a weight"
-    assert not any(isinstance(m, RowLinear) for m in decs[1].module.model.modules())
+    for dec in decs[1:]:
+        swapped = [m for m in dec.decode_module.model.modules() if isinstance(m, RowLinear)]
+        assert len(swapped) == sum(isinstance(m, torch.nn.Linear) for m in model.modules()) + tied
+        assert all(m.weight.data_ptr() in ptrs for m in swapped), "a decoder copied a weight"
+        assert not any(isinstance(m, RowLinear) for m in dec.module.model.modules())
     # two eager decoders on one model, interleaved, each equal to the uncached forward
     model.eval()
     ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))

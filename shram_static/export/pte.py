@@ -4,7 +4,10 @@ One program holds:
   * the decode step: `forward(tokens [1, 1] int64, input_pos [1] int64) -> logits [1, V]` when
     batch_size is 1 (the signature of ExecuTorch's stock `TextLLMRunner`), otherwise
     `decode(tokens [B, 1], input_pos [B], live [B, 1] bool) -> logits [B, V]`;
-  * `prefill(tokens [B, C], input_pos [B], live [B, C] bool) -> logits [B, C, V]`;
+  * `prefill(tokens [B, C], input_pos [B], live [B, C] bool) -> logits [B, C, V]`, unless
+    exported with `prefill_chunk=None` (decode only: prompts then run token by token through
+    the decode step, as the stock runner does with any program whose `enable_dynamic_shape`
+    is False; half the lowering time and a smaller file, slower prompts);
   * constant methods read by the stock runner (`get_max_seq_len`, `get_max_context_len`,
     `use_kv_cache`, `enable_dynamic_shape`, `get_eos_ids`), by optimum-executorch's
     `ExecuTorchModelForCausalLM` (also `get_bos_id`, `get_vocab_size`, `get_max_batch_size`,
@@ -16,6 +19,7 @@ derived from `input_pos`, so a call at position 0 starts a fresh sequence withou
 anything (what the stock runner's `reset()` relies on).
 """
 
+import contextlib
 import copy
 import json
 import os
@@ -179,7 +183,47 @@ def _drop_provenance(ep) -> None:
         node.meta.pop("from_node", None)
 
 
-def lower_program(model, batch_size: int = 1, prefill_chunk: int = 32, quantize: str | None = None,
+def _drop_metadata_asserts(ep) -> None:
+    """Erases torch.export's `_assert_tensor_metadata` nodes (no users), in place.
+
+    WHY: strict export emits one per `.to(dtype)`/`.float()` (56 of the 818 nodes of the tiny
+    model's decode graph, most of them same-dtype no-ops), and ExecuTorch removes them only
+    after decomposing the graph three times; every pass until then re-traces them.
+    """
+    target = torch.ops.aten._assert_tensor_metadata.default
+    for node in list(ep.graph.nodes):
+        if node.op == "call_function" and node.target is target and not node.users:
+            ep.graph.erase_node(node)
+    ep.graph_module.recompile()
+
+
+@contextlib.contextmanager
+def _shared_provenance():
+    """Within the block, deep copies of `torch.fx.traceback.NodeSource` share it.
+
+    WHY: every pass that re-creates a node records a NodeSource holding a deep copy of the old
+    node's whole provenance chain, and lowering runs ~80 passes, so the copies grow with every
+    pass (quadratic; `_drop_provenance` cannot help, the chains regrow inside lowering).
+    Measured on the tiny test model, decode only: 39-45 s with sharing against 55 s without.
+    A NodeSource is never mutated after construction (torch 2.13: only its constructor and
+    deserializer assign its fields; the per-node `from_node` lists stay distinct copies), so
+    sharing records the same provenance. Restored on exit; torch is pinned (pyproject.toml).
+    """
+    from torch.fx.traceback import NodeSource
+
+    missing = object()
+    old = NodeSource.__dict__.get("__deepcopy__", missing)
+    NodeSource.__deepcopy__ = lambda self, memo: self
+    try:
+        yield
+    finally:
+        if old is missing:
+            del NodeSource.__deepcopy__
+        else:
+            NodeSource.__deepcopy__ = old
+
+
+def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, quantize: str | None = None,
                   eos_token_id: int | None = None, bos_token_id: int | None = None):
     """Exports and lowers the two steps; returns the `ExecutorchProgramManager` (not written).
 
@@ -197,12 +241,13 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int = 32, quantize:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
     eos_token_id = getattr(cfg, "eos_token_id", None) if eos_token_id is None else eos_token_id
     bos_token_id = getattr(cfg, "bos_token_id", None) if bos_token_id is None else bos_token_id
-    check_export_args(cfg, batch_size, prefill_chunk, eos_token_id, bos_token_id)
+    check_export_args(cfg, batch_size, 1 if prefill_chunk is None else prefill_chunk, eos_token_id,
+                      bos_token_id)
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
     if quantize is not None:
         model = quantize_linears(model, quantize)
-    B, C = batch_size, prefill_chunk
+    B, C = batch_size, 1 if prefill_chunk is None else prefill_chunk
     state = StaticState(cfg, B, C, dtype=dtype)
     step = StepModule(model, state).eval()
     i64 = dict(dtype=torch.long)
@@ -215,15 +260,18 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int = 32, quantize:
     pre_args = (torch.zeros(B, C, **i64), torch.zeros(B, **i64), torch.ones(B, C, dtype=torch.bool))
     # no_grad: in-place writes into buffers computed from parameters that require grad fail in
     # ExecuTorch's passes. strict=True: the mode the stack was probed with.
+    programs = {}
     with torch.no_grad():
-        ep_dec = torch.export.export(dec, dec_args, strict=True)
-        ep_pre = torch.export.export(_Chunk(step, last=False), pre_args, strict=True)
-    for ep in (ep_dec, ep_pre):
+        programs[decode_name] = torch.export.export(dec, dec_args, strict=True)
+        if prefill_chunk is not None:
+            programs["prefill"] = torch.export.export(_Chunk(step, last=False), pre_args, strict=True)
+    for ep in programs.values():
         _drop_provenance(ep)
+        _drop_metadata_asserts(ep)
     meta = {
         "format": FORMAT, "batch_size": B, "prefill_chunk": C, "quantize": quantize,
         "dtype": str(dtype).replace("torch.", ""), "decode_method": decode_name,
-        "prefill_method": "prefill", "state_names": state.names(), "eos_token_id": eos_token_id,
+        "prefill_method": None if prefill_chunk is None else "prefill", "state_names": state.names(), "eos_token_id": eos_token_id,
         "bos_token_id": bos_token_id,
     }
     constants = {
@@ -249,24 +297,25 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int = 32, quantize:
     # own preprocessing of such a partition, the `aten.linear` nodes the XNNPACK partitioner keeps
     # undecomposed for its linear kernel (SpecViolationError: "not in Core ATen opset"). What the
     # program runs is checked by running it (tests/test_export_pte.py: allowlisted kernels only).
-    edge = to_edge_transform_and_lower({decode_name: ep_dec, "prefill": ep_pre},
-                                       compile_config=EdgeCompileConfig(_check_ir_validity=False),
-                                       partitioner=[XnnpackPartitioner()], constant_methods=constants)
-    return edge.to_executorch(ExecutorchBackendConfig(
-        # share_mutable_buffers + emit_mutable_buffer_names: both methods address ONE copy of
-        # each state buffer (through executorch.runtime's Program; portable_lib's Module API
-        # would give each method its own copy).
-        memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=True),
-        emit_mutable_buffer_names=True,
-        # index_put -> index_put_: without it each cache write copies the whole buffer into a
-        # temporary and back (probe 1: 3.2 vs 2.0 ms/step with 4 MiB caches). Safe: the pass
-        # only rewrites when the old buffer value is not read afterwards.
-        run_reinplace_pass=True,
-        passes=[_init_first_method_pass(state.names())],
-    ))
+    with _shared_provenance():
+        edge = to_edge_transform_and_lower(programs,
+                                           compile_config=EdgeCompileConfig(_check_ir_validity=False),
+                                           partitioner=[XnnpackPartitioner()], constant_methods=constants)
+        return edge.to_executorch(ExecutorchBackendConfig(
+            # share_mutable_buffers + emit_mutable_buffer_names: both methods address ONE copy of
+            # each state buffer (through executorch.runtime's Program; portable_lib's Module API
+            # would give each method its own copy).
+            memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=True),
+            emit_mutable_buffer_names=True,
+            # index_put -> index_put_: without it each cache write copies the whole buffer into a
+            # temporary and back (probe 1: 3.2 vs 2.0 ms/step with 4 MiB caches). Safe: the pass
+            # only rewrites when the old buffer value is not read afterwards.
+            run_reinplace_pass=True,
+            passes=[_init_first_method_pass(state.names())],
+        ))
 
 
-def export_pte(model, path, batch_size: int = 1, prefill_chunk: int = 32, quantize: str | None = None,
+def export_pte(model, path, batch_size: int = 1, prefill_chunk: int | None = 32, quantize: str | None = None,
                eos_token_id: int | None = None, bos_token_id: int | None = None) -> str:
     """Writes one ExecuTorch program (XNNPACK delegate, portable kernels for the rest).
 
@@ -275,7 +324,8 @@ def export_pte(model, path, batch_size: int = 1, prefill_chunk: int = 32, quanti
         path: output `.pte` path (its directory is created).
         batch_size: B rows per call. B = 1 names the decode method `forward` with the stock
             runner's two inputs; B > 1 names it `decode` and adds per-row live flags.
-        prefill_chunk: C tokens per `prefill` call.
+        prefill_chunk: C tokens per `prefill` call; None writes no `prefill` method (decode
+            only: the loaded decoder runs prompts token by token through the decode step).
         quantize: None (float weights), "int8" (dynamic int8 activations, int8 per-channel
             weights on every nn.Linear) or "8da4w" (int4 weights in groups of 32 where the input
             width allows); see `shram_static.export.quantize.quantize_linears`.
@@ -344,11 +394,13 @@ class PteDecoder(HostDecoder):
         self._program = program
         B, C, V = self.batch_size, self.prefill_chunk, config.vocab_size
         self._check_signature(meta["decode_method"], (B, 1), (B, V))
-        self._check_signature(meta["prefill_method"], (B, C), (B, C, V))
+        if meta["prefill_method"] is not None:
+            self._check_signature(meta["prefill_method"], (B, C), (B, C, V))
         try:
             # Decode first: it carries the state's starting values (see _init_first_method_pass).
             self._decode = program.load_method(meta["decode_method"])
-            self._prefill = program.load_method(meta["prefill_method"])
+            self._prefill = (program.load_method(meta["prefill_method"])
+                             if meta["prefill_method"] is not None else None)
         except Exception as e:
             raise ExportFormatError(f"{path}: loading the step methods failed (truncated, or built "
                                     f"with kernels this runtime lacks?): {e}") from e
