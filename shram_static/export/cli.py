@@ -38,8 +38,8 @@ def export_main(args) -> int:
         if fmt == "pte":
             suffix = f".{args.quantize}" if args.quantize else ""
             path = export_pte(model, f"{stem}{suffix}.pte", batch_size=args.batch_size,
-                              prefill_chunk=None if args.decode_only else args.prefill_chunk, quantize=args.quantize, eos_token_id=eos,
-                              bos_token_id=tok.bos_token_id)
+                              prefill_chunk=None if args.decode_only else args.prefill_chunk,
+                              quantize=args.quantize, eos_token_id=eos, bos_token_id=tok.bos_token_id)
         else:
             if args.quantize:
                 print("note: --quantize applies to .pte only; the .onnx stays fp32", file=sys.stderr)

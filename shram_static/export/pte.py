@@ -271,8 +271,8 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     meta = {
         "format": FORMAT, "batch_size": B, "prefill_chunk": C, "quantize": quantize,
         "dtype": str(dtype).replace("torch.", ""), "decode_method": decode_name,
-        "prefill_method": None if prefill_chunk is None else "prefill", "state_names": state.names(), "eos_token_id": eos_token_id,
-        "bos_token_id": bos_token_id,
+        "prefill_method": None if prefill_chunk is None else "prefill", "state_names": state.names(),
+        "eos_token_id": eos_token_id, "bos_token_id": bos_token_id,
     }
     constants = {
         "get_max_seq_len": cfg.inference_sequence_length,
