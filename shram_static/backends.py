@@ -7,16 +7,13 @@ so a user can check an export or a quantization end to end from one command.
 
 import contextlib
 import os
-import sys
 import tempfile
 import time
 
+from .console import info
+
 BACKENDS = ("eager", "compiled", "pte", "pte-int8", "pte-8da4w", "onnx")
 _QUANTIZE = {"pte": None, "pte-int8": "int8", "pte-8da4w": "8da4w"}
-
-
-def _info(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def make_decoder(model, backend: str, prefill_chunk: int, stack: contextlib.ExitStack,
@@ -50,16 +47,16 @@ def make_decoder(model, backend: str, prefill_chunk: int, stack: contextlib.Exit
     t0 = time.perf_counter()
     if backend == "onnx":
         path = os.path.join(tmp, "model.onnx")
-        _info(f"exporting to ONNX ({path}) ...")
+        info(f"exporting to ONNX ({path}) ...")
         export_onnx(model, path, batch_size=1, prefill_chunk=prefill_chunk, eos_token_id=eos_token_id)
         dec = load_onnx(path)
     else:
         path = os.path.join(tmp, "model.pte")
         quantize = _QUANTIZE[backend]
-        _info(f"exporting to ExecuTorch{f' ({quantize})' if quantize else ''} ({path}); lowering takes "
+        info(f"exporting to ExecuTorch{f' ({quantize})' if quantize else ''} ({path}); lowering takes "
               f"a minute or more ...")
         export_pte(model, path, batch_size=1, prefill_chunk=prefill_chunk, quantize=quantize,
                    eos_token_id=eos_token_id, bos_token_id=bos_token_id)
         dec = load_pte(path)
-    _info(f"exported and loaded in {time.perf_counter() - t0:.1f} s")
+    info(f"exported and loaded in {time.perf_counter() - t0:.1f} s")
     return dec

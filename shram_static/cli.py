@@ -12,10 +12,7 @@ import sys
 import time
 
 from .backends import BACKENDS
-
-
-def _info(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+from .console import info
 
 
 def positive_int(text: str) -> int:
@@ -42,7 +39,7 @@ def generate(args) -> int:
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     where = args.checkpoint if args.checkpoint is not None else "the built-in model"
-    _info(f"loading {where} ...")
+    info(f"loading {where} ...")
     model, tok = load_model_and_tokenizer(args.checkpoint)
     ids = tok.encode(args.prompt)
     if not ids:
@@ -62,13 +59,13 @@ def generate(args) -> int:
         dec = make_decoder(model, args.backend, args.prefill_chunk, stack, tok.eos_token_id,
                                getattr(tok, "bos_token_id", None))
         if args.backend == "compiled":
-            _info("compiling the prefill and decode steps (first call)...")
+            info("compiling the prefill and decode steps (first call)...")
         t0 = time.perf_counter()
         dec.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
                      do_sample=sample, temperature=args.temperature or 1.0, top_k=args.top_k,
                      top_p=args.top_p, seed=args.seed, eos_token_id=tok.eos_token_id, streamer=streamer)
         dt = time.perf_counter() - t0
-    _info(f"{len(streamer.tokens)} new tokens in {dt:.2f} s ({args.backend})")
+    info(f"{len(streamer.tokens)} new tokens in {dt:.2f} s ({args.backend})")
     return 0
 
 

@@ -17,10 +17,7 @@ import time
 
 from .backends import BACKENDS, make_decoder
 from .cli import positive_int
-
-
-def _info(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+from .console import info
 
 
 def read_text_bytes(path, max_bytes: int | None = None) -> bytes:
@@ -146,7 +143,7 @@ def evaluate(text, checkpoint=None, backend: str = "eager", max_bytes: int | Non
 def run(args) -> int:
     """The `eval` subcommand."""
     where = args.checkpoint if args.checkpoint is not None else "the built-in model"
-    _info(f"evaluating {where} on {args.text} ({args.backend}) ...")
+    info(f"evaluating {where} on {args.text} ({args.backend}) ...")
     r = evaluate(args.text, args.checkpoint, args.backend, args.max_bytes, args.window,
                  args.prefill_chunk, progress=not args.quiet)
     if args.json:

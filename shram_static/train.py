@@ -18,6 +18,8 @@ import random
 import sys
 import time
 
+from .console import info
+
 TRAIN_STATE_FILE = "train_state.pt"
 LOG_FILE = "train_log.json"
 CURVE_FILE = "loss.png"
@@ -30,10 +32,6 @@ RECIPE_CONFIG = dict(vocab_size=259, embedding_width=160, mlp_width=480, num_dec
 # Hyper-parameters that define a run: a resumed run takes them from its state file.
 HPARAMS = dict(steps=4000, batch_size=16, lr=2e-3, min_lr_ratio=0.1, warmup=200, weight_decay=0.1,
                beta2=0.99, grad_clip=1.0, seed=0)
-
-
-def _info(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def lr_at(step: int, hp: dict) -> float:
@@ -204,7 +202,7 @@ def plot_curve(log: dict, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        _info("warning: matplotlib is not installed, no loss curve written "
+        info("warning: matplotlib is not installed, no loss curve written "
               "(pip install 'shram_static[train]')")
         return
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -239,7 +237,7 @@ def train(args) -> int:
     state_path = os.path.join(out, TRAIN_STATE_FILE)
     resume = args.resume and os.path.isfile(state_path)
     if args.resume and not resume:
-        _info(f"--resume: no {state_path}, starting a new run")
+        info(f"--resume: no {state_path}, starting a new run")
     if not resume and os.path.isfile(state_path):
         raise ValueError(f"{out!r} already holds a training run ({TRAIN_STATE_FILE}); pass --resume "
                          f"to continue it or choose another --out")
@@ -298,7 +296,7 @@ def train(args) -> int:
         with open(os.path.join(out, LOG_FILE), encoding="utf-8") as f:
             log = json.load(f)
         _set_rng_state(saved["rng"])
-        _info(f"resumed {out} at step {step}")
+        info(f"resumed {out} at step {step}")
     ddp = net
     if dist.world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -315,7 +313,7 @@ def train(args) -> int:
     tokens_per_step = hp["batch_size"] * T
     if dist.main:
         os.makedirs(out, exist_ok=True)
-        _info(f"training {n_params / 1e6:.2f}M parameters on {sum(map(len, train_works.values())) / 1e6:.2f} MB "
+        info(f"training {n_params / 1e6:.2f}M parameters on {sum(map(len, train_works.values())) / 1e6:.2f} MB "
               f"({len(train_works)} works), validating on {', '.join(val_works)}; "
               f"{hp['steps']} steps x {tokens_per_step} tokens, {dist.world} process(es) on {dist.device}")
     bar = tqdm(total=hp["steps"], initial=step, disable=not dist.main or args.quiet,
@@ -366,7 +364,7 @@ def train(args) -> int:
             break
     bar.close()
     if dist.main and step == hp["steps"]:
-        _info(f"done: {step} steps, {log.get('tokens_per_s', 0):.0f} tokens/s, "
+        info(f"done: {step} steps, {log.get('tokens_per_s', 0):.0f} tokens/s, "
               f"final val loss {log.get('final_val_loss', float('nan')):.4f}; checkpoint in {out}")
     dist.close()
     return 0
