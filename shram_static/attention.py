@@ -24,7 +24,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     a fused attention kernel to gain.
 
     Args:
-        q: (..., Q, u); k, v: (..., S, u).
+        q: (..., Q, u); k, v: (..., S, u) with q's leading dims.
         bias: `attention_bias(mask)`, broadcastable to (..., Q, S).
         seen: `mask.any(-1, keepdim=True)` as 1.0/0.0, broadcastable to (..., Q, 1), zeroing
             rows that see no key; None when every query sees at least one key.
@@ -33,8 +33,14 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     Returns:
         (..., Q, u).
     """
-    s = (q @ k.transpose(-1, -2)) * scale + bias  # (..., Q, S)
+    *lead, Q, u = q.shape
+    S = k.shape[-2]
+    # WHY bmm over flattened leading dims, not `@`: matmul of >2-D operands decomposes into
+    # expand + bmm, and ExecuTorch runs each expand as a portable copy of the whole cache
+    # (its XNNPACK partitioner does not take expand_copy).
+    k3, v3 = k.reshape(-1, S, u), v.reshape(-1, S, u)  # same leading dims as q (no broadcast)
+    s = torch.bmm(q.reshape(-1, Q, u), k3.transpose(1, 2)).view(*lead, Q, S) * scale + bias  # (..., Q, S)
     a = torch.softmax(s, dim=-1)
     if seen is not None:
         a = a * seen
-    return a @ v
+    return torch.bmm(a.reshape(-1, Q, S), v3).view(*lead, Q, u)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ShramConfig
+from .experts import gather_experts, mix_experts
 from .reductions import mean_last
 
 
@@ -78,6 +79,15 @@ class BEA(nn.Module):
         self.k_proj = nn.Parameter(torch.empty(L, d, u))
         self.v_proj = nn.Parameter(torch.empty(L, d, u))
         self.o_proj = nn.Parameter(torch.empty(L, u, d))
+
+    def project(self, h: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of the selected experts: h (B, C, d), idx (B, C, K) -> 3 x (B, C, K, u)."""
+        return tuple(torch.einsum("bcd,bckdu->bcku", h, gather_experts(w, idx))
+                     for w in (self.q_proj, self.k_proj, self.v_proj))
+
+    def output(self, y: torch.Tensor, P: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Selected experts' outputs y (B, C, K, u) mixed by P (B, C, K) -> (B, C, d)."""
+        return mix_experts(self.o_proj, y, P, idx)
 
 
 class MoSRAH(nn.Module):

@@ -29,10 +29,19 @@ def block_select(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken
         k: K, experts per token.
 
     Returns:
-        idx: (B, C, K) int64 experts in top-k order (0 at dead tokens).
+        idx: (B, C, K) int64 experts in top-k order (unspecified at dead tokens).
         taken_out: (B, L) bool, experts taken in the block open after the chunk.
     """
     B, C, L = z.shape
+    ar = torch.arange(L, device=z.device)
+    if C == 1:
+        # WHY a one-token form (a static shape, not a data branch): one token is step
+        # `start % W` of its block, so it takes the top-K of the experts not yet taken, and the
+        # block machinery below (cumsum, block one-hots, three bmm) reduces to a masked top-k.
+        # The exported decode step runs every one of those ops as a portable kernel per layer.
+        top = torch.where(taken[:, None], float("-inf"), z).topk(k, dim=-1).indices  # (B, 1, K)
+        sel = (top[..., None] == ar).any(-2) & live[..., None]  # (B, 1, L)
+        return top, taken | sel[:, 0]
     W = L // k
     nb = (W + C - 2) // W + 1  # blocks a chunk of C tokens can touch
     rank = live.long().cumsum(1) - 1  # (B, C) live tokens before each token in the chunk
@@ -43,7 +52,6 @@ def block_select(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken
     blk_oh = (blk[..., None] == torch.arange(nb, device=z.device)).to(z.dtype)  # (B, C, nb)
     taken_blk = torch.cat([taken[:, None].to(z.dtype),
                            z.new_zeros(B, nb - 1, L)], dim=1)  # (B, nb, L)
-    ar = torch.arange(L, device=z.device)
     idx = torch.zeros(B, C, k, dtype=torch.long, device=z.device)
     for i in range(min(C, W)):
         act = live & (step == i)  # (B, C): at most one token per block

@@ -42,9 +42,10 @@ class Shared(NamedTuple):
     main_sin: torch.Tensor | None  # (main_sequence; None for semantic_sequence)
     taken_open: torch.Tensor  # (B, 1) the carried routing block is still open
     row_live: torch.Tensor  # (B, 1) the row has a live token in this step
-    ar_b: torch.Tensor  # arange(B), arange(L), arange(T + 1)
-    ar_l: torch.Tensor
-    ar_t: torch.Tensor
+    blocks_done: torch.Tensor  # (B, 1) input_pos // W: tokens each expert held at closed blocks
+    head_base: torch.Tensor  # (B, 1, 1) b * L, the row's first (b, l) cache head
+    ar_l: torch.Tensor  # arange(L)
+    sink_last: torch.Tensor  # (T + 1,) arange(T), then int64 max at the sink (never attended)
 
 
 class Dims(NamedTuple):
@@ -103,13 +104,15 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
     dp = pos[:, :, None] - q_j[:, None, :]  # (B, C, R)
     local_mask = ((q_j[:, None, :] >= 0) & (dp >= 0) & (dp < Wn))[:, None]  # (B, 1, C, R)
     dtype = model.embed_tokens.weight.dtype
+    ar_t = torch.arange(T + 1, device=dev)
     main_cos = main_sin = None
     if cfg.rope_mode == "main_sequence":
         main_cos, main_sin = model.rope.sparse(pos[..., None])  # (B, C, 1, u)
     sh = Shared(live, input_pos, cos_l[:, None], sin_l[:, None], ring_rows,
                 attention_bias(local_mask, dtype), local_mask.any(-1, keepdim=True).to(dtype),
                 main_cos, main_sin, (input_pos % W != 0)[:, None], live.any(1, keepdim=True),
-                ar_b, torch.arange(L, device=dev), torch.arange(T + 1, device=dev))
+                (input_pos // W)[:, None], (ar_b * L)[:, None, None], torch.arange(L, device=dev),
+                torch.where(ar_t < T, ar_t, torch.iinfo(torch.long).max))
 
     # WHY the per-layer function is a nested compile region under torch.compile: Inductor then
     # compiles the repeated layer once instead of unrolling every layer into its own C++ (cold
@@ -160,16 +163,15 @@ def _layer_step(layer, rope, x: torch.Tensor, st: tuple, sh: Shared, dims: Dims)
         taken_eff = taken & sh.taken_open  # (B, L)
         idx, P, taken_new = route(h, sa.router.routing_weight, live, input_pos, taken_eff, K)
         routing.append(torch.where(live[..., None], idx, -1))
-        sel = (idx[..., None] == sh.ar_l).any(-2) & live[..., None]  # (B, C, L)
-        held = (input_pos // W)[:, None] + taken_eff.long()  # (B, L) tokens per expert
-        before = sel.long().cumsum(1) - sel.long()  # (B, C, L) earlier chunk tokens per expert
-        slot = (held[:, None, :] + before).gather(-1, idx)  # (B, C, K) index in S_l
-        head = sh.ar_b[:, None, None] * L + idx  # (B, C, K) row of (b, l) in the cache
+        held = (sh.blocks_done + taken_eff.long())[:, None, :]  # (B, 1, L) tokens per expert
+        if C > 1:  # plus earlier tokens of the chunk (a static shape: there are none at decode)
+            sel = (idx[..., None] == sh.ar_l).any(-2) & live[..., None]  # (B, C, L)
+            held = held + sel.long().cumsum(1) - sel.long()  # (B, C, L)
+        slot = held.gather(-1, idx)  # (B, C, K) index in S_l
+        head = sh.head_base + idx  # (B, C, K) row of (b, l) in the cache
         wslot = torch.where(live[..., None] & (slot < T), slot, T)  # T is the sink
         rows = (head * (T + 1) + wslot).reshape(-1)  # (B*C*K,)
-        qs = torch.einsum("bcd,bckdu->bcku", h, experts(bea.q_proj, idx))  # (B, C, K, u)
-        ks = torch.einsum("bcd,bckdu->bcku", h, experts(bea.k_proj, idx))
-        vs = torch.einsum("bcd,bckdu->bcku", h, experts(bea.v_proj, idx))
+        qs, ks, vs = bea.project(h, idx)  # (B, C, K, u)
         # main_sequence: the step's shared rows; semantic_sequence: at the index in S_l (B, C, K, u)
         cos, sin = (sh.main_cos, sh.main_sin) if sh.main_cos is not None else rope.sparse(slot)
         qs, ks = apply_rope(qs, cos, sin), apply_rope(ks, cos, sin)
@@ -178,30 +180,19 @@ def _layer_step(layer, rope, x: torch.Tensor, st: tuple, sh: Shared, dims: Dims)
         hsel = head.reshape(-1)
         kc = sk.view(B * L, T + 1, u).index_select(0, hsel).view(B, C, K, T + 1, u)
         vc = sv.view(B * L, T + 1, u).index_select(0, hsel).view(B, C, K, T + 1, u)
-        mask = ((sh.ar_t <= slot[..., None]) & (sh.ar_t < T))[..., None, :]  # (B, C, K, 1, T+1)
+        mask = (sh.sink_last <= slot[..., None])[..., None, :]  # (B, C, K, 1, T+1)
         # Every query sees at least slot 0 of its expert (dead ones too): no `seen` multiplier.
         ys = masked_attention(qs[..., None, :], kc, vc, attention_bias(mask, qs.dtype), sparse_scale)[..., 0, :]
         # A row with no live token keeps its state bit for bit (not just equivalently).
         taken_new = (taken_new & sh.row_live) | (taken & ~sh.row_live)
         taken = taken_new if not inplace else taken.copy_(taken_new)
-        return y + torch.einsum("bcku,bckud,bck->bcd", ys, experts(bea.o_proj, idx), P)  # (B, C, d)
+        return y + bea.output(ys, P, idx)  # (B, C, d)
 
     x = layer(x, attn)
     return x, (() if inplace else (taken, lk, lv, sk, sv)), routing[0]
 
 
 _nested_layer_step = torch.compiler.nested_compile_region(_layer_step)
-
-
-def experts(w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Weights of the selected experts: w (L, a, b), idx (B, C, K) -> (B, C, K, a, b).
-
-    Rows of a 2-D view with one 1-D index_select, not `w[idx]`: ExecuTorch runs the latter
-    as an element-wise portable index.Tensor (measured 0.9 ms per projection per layer per
-    token) and the former as a row copy (0.05 ms).
-    """
-    L, a, b = w.shape
-    return w.view(L, a * b).index_select(0, idx.reshape(-1)).view(*idx.shape, a, b)
 
 
 class StepModule(nn.Module):

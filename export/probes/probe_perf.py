@@ -1,0 +1,63 @@
+"""Where a .pte decode step spends its time, from a sampling profile of the runtime (`perf`).
+
+The pip runtime is built without ExecuTorch's event tracer (`enable_etdump=True` writes nothing:
+"No etdump data found, try rebuilding with ... EXECUTORCH_ENABLE_EVENT_TRACER"), so per-kernel
+times come from `perf record` over a decode loop instead, grouped by symbol.
+
+    python export/probes/probe_perf.py export DIR [--layers 12] [--quantize int8]
+    perf record -F 2000 -g -o DIR/perf.data -- python export/probes/probe_perf.py run DIR/model.pte
+    perf report -i DIR/perf.data --no-children --sort symbol --stdio | head -60
+"""
+
+import argparse
+import os
+import time
+
+import torch
+
+
+def export(out: str, layers: int, quantize) -> None:
+    from shram_static import ShramConfig, ShramForCausalLM
+    from shram_static.bench import BENCH_CONFIG
+    from shram_static.export.pte import export_pte
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = ShramForCausalLM(ShramConfig(**dict(BENCH_CONFIG, num_decoder_layers=layers))).eval()
+    os.makedirs(out, exist_ok=True)
+    t = time.time()
+    export_pte(model, os.path.join(out, "model.pte"), prefill_chunk=None, quantize=quantize)
+    print(f"exported {layers} layers in {time.time() - t:.0f} s")
+
+
+def run(path: str, ctx: int, seconds: float) -> None:
+    from executorch.runtime import Runtime
+
+    meth = Runtime.get().load_program(path).load_method("forward")
+    tok = torch.zeros(1, 1, dtype=torch.long)
+    for p in range(ctx):  # fill the state up to the context
+        meth.execute([tok, torch.tensor([p])])
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        meth.execute([tok, torch.tensor([ctx + n % 64])])
+        n += 1
+    print(f"{(time.perf_counter() - t0) / n * 1e3:.2f} ms/step over {n} steps")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export")
+    e.add_argument("out")
+    e.add_argument("--layers", type=int, default=12)
+    e.add_argument("--quantize", default=None)
+    r = sub.add_parser("run")
+    r.add_argument("path")
+    r.add_argument("--ctx", type=int, default=64)
+    r.add_argument("--seconds", type=float, default=8.0)
+    a = ap.parse_args()
+    export(a.out, a.layers, a.quantize) if a.cmd == "export" else run(a.path, a.ctx, a.seconds)
+
+
+if __name__ == "__main__":
+    main()
