@@ -67,6 +67,10 @@ def test_compiled_steps_never_recompile_and_match_eager(model, B):
     cfg = model.config
     eager = StaticDecoder(model, batch_size=B, prefill_chunk=C)
     comp = StaticDecoder(model, batch_size=B, prefill_chunk=C, compile=True)
+    if B == 1:
+        # Batch 1 differs from batch 2 in the decode step only (RowLinear's reduction form), so
+        # its prefill step runs eager: one cold Inductor compile (~25 s here) fewer in CI.
+        comp.prefill_step = comp._prefill_step
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (B, 3 * C), generator=gen)
     mask = torch.rand(B, 3 * C, generator=gen) > 0.25

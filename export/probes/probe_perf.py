@@ -31,15 +31,17 @@ def export(out: str, layers: int, quantize) -> None:
 
 
 def run(path: str, ctx: int, seconds: float) -> None:
-    from executorch.runtime import Runtime
+    """Decode steps through `load_pte` (what the benchmark times), after a prompt of `ctx`."""
+    from shram_static.export import load_pte
 
-    meth = Runtime.get().load_program(path).load_method("forward")
-    tok = torch.zeros(1, 1, dtype=torch.long)
-    for p in range(ctx):  # fill the state up to the context
-        meth.execute([tok, torch.tensor([p])])
+    dec = load_pte(path)
+    gen = torch.Generator().manual_seed(0)
+    S = dec.config.inference_sequence_length
+    ids = torch.randint(0, dec.config.vocab_size, (1, S), generator=gen)
+    dec.prefill(ids[:, :ctx])
     n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        meth.execute([tok, torch.tensor([ctx + n % 64])])
+    while time.perf_counter() - t0 < seconds and ctx + n < S:
+        dec.decode(ids[:, ctx + n])
         n += 1
     print(f"{(time.perf_counter() - t0) / n * 1e3:.2f} ms/step over {n} steps")
 
