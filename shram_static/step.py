@@ -59,7 +59,6 @@ class Dims(NamedTuple):
     u: int
     R: int
     T: int
-    W: int
     local_scale: float
     sparse_scale: float
     inplace: bool
@@ -86,7 +85,7 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
     B, C = tokens.shape
     H, L, u = cfg.num_sliding_window_heads, cfg.num_mosrah_heads, cfg.head_dim
     Wn, W, R, T = cfg.window_size, cfg.block_length, ring, cfg.mosrah_cache_length
-    dims = Dims(B, C, H, L, cfg.num_selected_heads, u, R, T, W, 1 / math.sqrt(u),
+    dims = Dims(B, C, H, L, cfg.num_selected_heads, u, R, T, 1 / math.sqrt(u),
                 model.rope.sparse_factor / math.sqrt(u), inplace)
     dev = tokens.device
     ar_b = torch.arange(B, device=dev)
@@ -138,7 +137,7 @@ def _layer_step(layer, rope, x: torch.Tensor, st: tuple, sh: Shared, dims: Dims)
     Returns the new state tensors only when out of place (in place, the inputs were mutated:
     returning them would alias an output to an input, which a nested compile region rejects).
     """
-    B, C, H, L, K, u, R, T, W, local_scale, sparse_scale, inplace = dims
+    B, C, H, L, K, u, R, T, local_scale, sparse_scale, inplace = dims
     taken, lk, lv, sk, sv = st
     live, input_pos = sh.live, sh.input_pos
     routing = []
