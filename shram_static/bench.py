@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from .console import info
+
 BENCH_CONFIG = dict(vocab_size=50277, embedding_width=512, mlp_width=1366, num_decoder_layers=12,
                     num_sliding_window_heads=16, num_mosrah_heads=16, num_selected_heads=4,
                     head_dim=16, window_size=128, training_sequence_length=1024,
@@ -207,14 +209,14 @@ def bench(args) -> int:
             t = time.perf_counter()
             exported = {}
             if be in EXPORTED:
-                print(f"[{i}/{len(jobs)}] exporting model={m} backend={be} batch={b} "
-                      f"(minutes for a large model) ...", file=sys.stderr, flush=True)
+                info(f"[{i}/{len(jobs)}] exporting model={m} backend={be} batch={b} "
+                     f"(minutes for a large model) ...")
                 exported = _subprocess(["--worker", "export", "--out-dir", out_dir, *common])
-            print(f"[{i}/{len(jobs)}] running model={m} backend={be} batch={b} ...", file=sys.stderr, flush=True)
+            info(f"[{i}/{len(jobs)}] running model={m} backend={be} batch={b} ...")
             r = _subprocess(["--worker", "run", "--out-dir", out_dir, *common])
             r.update(exported)
             results.append(r)
-            print(f"  done in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+            info(f"  done in {time.perf_counter() - t:.0f} s")
     add_ratios(results, bw)
     for r in results:
         print(format_row(r), flush=True)

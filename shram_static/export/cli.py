@@ -2,8 +2,9 @@
 
 import os
 import shutil
-import sys
 import time
+
+from ..console import info
 
 FORMATS = ("pte", "onnx")
 
@@ -32,9 +33,9 @@ def export_main(args) -> int:
     for fmt in formats:
         t = time.perf_counter()
         chunk = "decode only" if args.decode_only else f"prefill chunk {args.prefill_chunk}"
-        print(f"exporting {fmt} (batch {args.batch_size}, {chunk}"
-              f"{', ' + args.quantize if args.quantize and fmt == 'pte' else ''}); "
-              f"lowering can take minutes ...", file=sys.stderr, flush=True)
+        info(f"exporting {fmt} (batch {args.batch_size}, {chunk}"
+             f"{', ' + args.quantize if args.quantize and fmt == 'pte' else ''}); "
+             f"lowering can take minutes ...")
         if fmt == "pte":
             suffix = f".{args.quantize}" if args.quantize else ""
             path = export_pte(model, f"{stem}{suffix}.pte", batch_size=args.batch_size,
@@ -42,11 +43,11 @@ def export_main(args) -> int:
                               quantize=args.quantize, eos_token_id=eos, bos_token_id=tok.bos_token_id)
         else:
             if args.quantize:
-                print("note: --quantize applies to .pte only; the .onnx stays fp32", file=sys.stderr)
+                info("note: --quantize applies to .pte only; the .onnx stays fp32")
             paths = export_onnx(model, f"{stem}.onnx", batch_size=args.batch_size,
                                 prefill_chunk=args.prefill_chunk, eos_token_id=eos)
             path = paths["decode"] if isinstance(paths, dict) else paths
-        print(f"wrote {path} in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+        info(f"wrote {path} in {time.perf_counter() - t:.0f} s")
         print(path)
     return 0
 
