@@ -38,8 +38,15 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     # WHY bmm over flattened leading dims, not `@`: matmul of >2-D operands decomposes into
     # expand + bmm, and ExecuTorch runs each expand as a portable copy of the whole cache
     # (its XNNPACK partitioner does not take expand_copy).
-    k3, v3 = k.reshape(-1, S, u), v.reshape(-1, S, u)  # same leading dims as q (no broadcast)
-    s = torch.bmm(q.reshape(-1, Q, u), k3.transpose(1, 2)).view(*lead, Q, S) * scale + bias  # (..., Q, S)
+    q3, k3, v3 = q.reshape(-1, Q, u), k.reshape(-1, S, u), v.reshape(-1, S, u)  # same leading dims
+    # WHY the smaller side transposed: a transpose is a whole-tensor copy in the XNNPACK delegate
+    # (bmm has no transposed-operand form there), so one query per row (decode, every sparse
+    # query) computes (k q^T)^T and copies Q*S scores instead of the S*u keys.
+    if Q < u:
+        s = torch.bmm(k3, q3.transpose(1, 2)).transpose(1, 2)  # (N, Q, S)
+    else:
+        s = torch.bmm(q3, k3.transpose(1, 2))
+    s = s.view(*lead, Q, S) * scale + bias  # (..., Q, S)
     a = torch.softmax(s, dim=-1)
     if seen is not None:
         a = a * seen

@@ -36,7 +36,7 @@ class Shared(NamedTuple):
     cos_l: torch.Tensor  # (B, 1, C, u) local RoPE rows
     sin_l: torch.Tensor
     ring_rows: torch.Tensor  # (B*H*C,) ring row each local k/v goes to (dead tokens: the sink)
-    local_bias: torch.Tensor  # (B, 1, C, R) attention bias over the ring
+    local_bias: torch.Tensor  # (B, 1, C, R+1) attention bias over the ring and its sink
     local_seen: torch.Tensor  # (B, 1, C, 1) 1.0 where a query sees any ring slot
     main_cos: torch.Tensor | None  # (B, C, 1, u) sparse RoPE rows at token positions
     main_sin: torch.Tensor | None  # (main_sequence; None for semantic_sequence)
@@ -98,10 +98,12 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
     ring_slot = torch.where(live, pos % R, R)  # (B, C), R is the sink
     ring_rows = ((ar_b[:, None, None] * H + torch.arange(H, device=dev)[:, None]) * (R + 1)
                  + ring_slot[:, None, :]).reshape(-1)  # (B*H*C,)
-    j = torch.arange(R, device=dev)
-    q_j = (count[:, None] - 1) - (count[:, None] - 1 - j).remainder(R)  # (B, R) position in slot j
-    dp = pos[:, :, None] - q_j[:, None, :]  # (B, C, R)
-    local_mask = ((q_j[:, None, :] >= 0) & (dp >= 0) & (dp < Wn))[:, None]  # (B, 1, C, R)
+    # Attention runs over all R + 1 rows of a (row, head)'s ring, the sink (j = R) masked: a
+    # slice to the first R rows would be a copy of the ring in the XNNPACK delegate.
+    j = torch.arange(R + 1, device=dev)
+    q_j = (count[:, None] - 1) - (count[:, None] - 1 - j).remainder(R)  # (B, R+1) position in slot j
+    dp = pos[:, :, None] - q_j[:, None, :]  # (B, C, R+1)
+    local_mask = ((q_j[:, None, :] >= 0) & (dp >= 0) & (dp < Wn) & (j < R))[:, None]  # (B, 1, C, R+1)
     dtype = model.embed_tokens.weight.dtype
     ar_t = torch.arange(T + 1, device=dev)
     main_cos = main_sin = None
@@ -150,8 +152,8 @@ def _layer_step(layer, rope, x: torch.Tensor, st: tuple, sh: Shared, dims: Dims)
         q, k = apply_rope(q, sh.cos_l, sh.sin_l), apply_rope(k, sh.cos_l, sh.sin_l)
         lk = _write(lk, sh.ring_rows, k.reshape(-1, u), inplace)
         lv = _write(lv, sh.ring_rows, v.reshape(-1, u), inplace)
-        kr = lk.view(B, H, R + 1, u)[:, :, :R]  # (B, H, R, u)
-        vr = lv.view(B, H, R + 1, u)[:, :, :R]
+        kr = lk.view(B, H, R + 1, u)  # (B, H, R+1, u), the sink row masked
+        vr = lv.view(B, H, R + 1, u)
         y = la.out(masked_attention(q, kr, vr, sh.local_bias, local_scale, sh.local_seen))  # (B, C, d)
 
         # Sparse path: route, then touch only the K selected experts of each token.

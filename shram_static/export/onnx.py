@@ -29,6 +29,7 @@ from ..config import ShramConfig
 from ..host import HostDecoder
 from ..state import StaticState
 from ..step import FunctionalStep
+from .lowering import without_onnx_rewrite_rules
 from .pte import ExportFormatError, check_export_args, export_copy
 
 FORMAT = "shram_static.onnx/1"
@@ -59,7 +60,7 @@ def _export_graph(fn: FunctionalStep, state: StaticState, C: int):
     names = state.names()
     args = (torch.zeros(B, C, dtype=torch.long), torch.zeros(B, dtype=torch.long),
             torch.ones(B, C, dtype=torch.bool), *[t.clone() for t in state.tensors()])
-    with torch.no_grad():
+    with torch.no_grad(), without_onnx_rewrite_rules():
         prog = torch.onnx.export(
             fn, args, dynamo=True, optimize=True, verbose=False,
             input_names=["input_ids", "position_ids", "live", *[f"past.{n}" for n in names]],

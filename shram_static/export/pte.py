@@ -32,6 +32,8 @@ from ..experts import fuse_experts_
 from ..host import HostDecoder
 from ..state import StaticState
 from ..step import StepModule
+from .partition import xnnpack_partitioner
+from .lowering import drop_metadata_asserts, drop_provenance, needed_xnnpack_passes_only, shared_provenance
 from .quantize import QUANTIZE_MODES, quantize_linears
 
 FORMAT = "shram_static.pte/1"
@@ -173,58 +175,6 @@ def program_ops(et_program, method: str) -> dict:
             "backends": sorted(backends)}
 
 
-def _drop_provenance(ep) -> None:
-    """Deletes the `from_node` provenance of every node of an exported program, in place.
-
-    WHY: torch.fx records, on every node a pass creates, a deep copy of the whole provenance
-    chain of the node it came from, so each of lowering's hundreds of passes copies chains that
-    grow with every pass (profile of the built-in model: 62 of 291 s in `copy.deepcopy` under
-    `fx.traceback.NodeSource`). Provenance is debugging metadata; the program does not change.
-    """
-    for node in ep.graph.nodes:
-        node.meta.pop("from_node", None)
-
-
-def _drop_metadata_asserts(ep) -> None:
-    """Erases torch.export's `_assert_tensor_metadata` nodes (no users), in place.
-
-    WHY: strict export emits one per `.to(dtype)`/`.float()` (56 of the 818 nodes of the tiny
-    model's decode graph, most of them same-dtype no-ops), and ExecuTorch removes them only
-    after decomposing the graph three times; every pass until then re-traces them.
-    """
-    target = torch.ops.aten._assert_tensor_metadata.default
-    for node in list(ep.graph.nodes):
-        if node.op == "call_function" and node.target is target and not node.users:
-            ep.graph.erase_node(node)
-    ep.graph_module.recompile()
-
-
-@contextlib.contextmanager
-def _shared_provenance():
-    """Within the block, deep copies of `torch.fx.traceback.NodeSource` share it.
-
-    WHY: every pass that re-creates a node records a NodeSource holding a deep copy of the old
-    node's whole provenance chain, and lowering runs ~80 passes, so the copies grow with every
-    pass (quadratic; `_drop_provenance` cannot help, the chains regrow inside lowering).
-    Measured on the tiny test model, decode only: 39-45 s with sharing against 55 s without.
-    A NodeSource is never mutated after construction (torch 2.13: only its constructor and
-    deserializer assign its fields; the per-node `from_node` lists stay distinct copies), so
-    sharing records the same provenance. Restored on exit; torch is pinned (pyproject.toml).
-    """
-    from torch.fx.traceback import NodeSource
-
-    missing = object()
-    old = NodeSource.__dict__.get("__deepcopy__", missing)
-    NodeSource.__deepcopy__ = lambda self, memo: self
-    try:
-        yield
-    finally:
-        if old is missing:
-            del NodeSource.__deepcopy__
-        else:
-            NodeSource.__deepcopy__ = old
-
-
 def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, quantize: str | None = None,
                   eos_token_id: int | None = None, bos_token_id: int | None = None):
     """Exports and lowers the two steps; returns the `ExecutorchProgramManager` (not written).
@@ -234,7 +184,6 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     Returns:
         The program manager; `.buffer` is the .pte bytes.
     """
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
@@ -261,15 +210,18 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
                                          torch.ones(B, 1, dtype=torch.bool))
     pre_args = (torch.zeros(B, C, **i64), torch.zeros(B, **i64), torch.ones(B, C, dtype=torch.bool))
     # no_grad: in-place writes into buffers computed from parameters that require grad fail in
-    # ExecuTorch's passes. strict=True: the mode the stack was probed with.
+    # ExecuTorch's passes. strict=False: the step has no data-dependent Python (no .item(), no
+    # branch on tensor data), so tracing it with Python itself gives the same graph (node for
+    # node on the built-in model) as Dynamo's strict mode, in half the time (5.1 s against 10.4 s
+    # for both methods of the built-in model).
     programs = {}
     with torch.no_grad():
-        programs[decode_name] = torch.export.export(dec, dec_args, strict=True)
+        programs[decode_name] = torch.export.export(dec, dec_args, strict=False)
         if prefill_chunk is not None:
-            programs["prefill"] = torch.export.export(_Chunk(step, last=False), pre_args, strict=True)
+            programs["prefill"] = torch.export.export(_Chunk(step, last=False), pre_args, strict=False)
     for ep in programs.values():
-        _drop_provenance(ep)
-        _drop_metadata_asserts(ep)
+        drop_provenance(ep)
+        drop_metadata_asserts(ep)
     meta = {
         "format": FORMAT, "batch_size": B, "prefill_chunk": C, "quantize": quantize,
         "dtype": str(dtype).replace("torch.", ""), "decode_method": decode_name,
@@ -299,10 +251,10 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     # own preprocessing of such a partition, the `aten.linear` nodes the XNNPACK partitioner keeps
     # undecomposed for its linear kernel (SpecViolationError: "not in Core ATen opset"). What the
     # program runs is checked by running it (tests/test_export_pte.py: allowlisted kernels only).
-    with _shared_provenance():
+    with shared_provenance(), needed_xnnpack_passes_only():
         edge = to_edge_transform_and_lower(programs,
                                            compile_config=EdgeCompileConfig(_check_ir_validity=False),
-                                           partitioner=[XnnpackPartitioner()], constant_methods=constants)
+                                           partitioner=[xnnpack_partitioner()], constant_methods=constants)
         return edge.to_executorch(ExecutorchBackendConfig(
             # share_mutable_buffers + emit_mutable_buffer_names: both methods address ONE copy of
             # each state buffer (through executorch.runtime's Program; portable_lib's Module API
