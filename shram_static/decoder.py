@@ -1,5 +1,6 @@
 """`StaticDecoder`: the static steps in PyTorch, eager or `torch.compile(fullgraph=True)`."""
 
+import contextlib
 import copy
 
 import torch
@@ -79,6 +80,14 @@ class StaticDecoder(HostDecoder):
             runs its projections as `RowLinear` on the decoder's own `shared_copy` of the model
             (same weight tensors); the model passed in is never modified.
         eos_token_id: id that ends a row in `generate`.
+        skip_guards: compile only. Once a step has run with Dynamo's guards checked, later
+            calls skip them (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`) for as
+            long as every weight and state tensor of the step is the one it was checked with
+            (same storage; a dtype or device change replaces it, and the next call is checked
+            again). WHY: the decoder fixes every input's shape, dtype and strides itself, so
+            ~1400 guards over the step's ~260 tensors can never fail between two calls, and
+            checking them took ~1.1 ms of an ~11 ms bench-model decode step on this CPU.
+            False: check the guards on every call (what `fail_on_recompile` tests need).
 
     The decode step is `decode_step(tokens (B, 1), input_pos (B,), live (B, 1))`, the prefill
     step `prefill_step(tokens (B, C), input_pos (B,), live (B, C))`; both return logits
@@ -86,7 +95,7 @@ class StaticDecoder(HostDecoder):
     """
 
     def __init__(self, model, batch_size: int = 1, prefill_chunk: int = 32, compile: bool = False,
-                 eos_token_id: int | None = None):
+                 eos_token_id: int | None = None, skip_guards: bool = True):
         super().__init__(model.config, batch_size, prefill_chunk, eos_token_id)
         p = next(model.parameters())
         self.device = p.device
@@ -97,6 +106,9 @@ class StaticDecoder(HostDecoder):
         if compile and batch_size <= FEW_ROWS and p.device.type == "cpu":
             self.decode_module = StepModule(row_linear_(shared_copy(self.model)), self.state)
         self.compiled = compile
+        self.skip_guards = skip_guards
+        self._tensors: dict[str, list[torch.Tensor]] = {}  # step -> every weight and state tensor
+        self._checked: dict[str, list[int]] = {}  # step -> their storages when guards last passed
         if compile:
             # Two separate compiled functions (two code objects), so each step owns exactly
             # one graph and neither shape ever triggers a recompile of the other.
@@ -114,6 +126,33 @@ class StaticDecoder(HostDecoder):
 
     @torch.no_grad()
     def _run(self, tokens, input_pos, live):
-        fn = self.decode_step if tokens.shape[1] == 1 else self.prefill_step
+        decode = tokens.shape[1] == 1
+        fn = self.decode_step if decode else self.prefill_step
         d = self.device
-        return fn(tokens.to(d), input_pos.to(d), live.to(d))
+        args = tokens.to(d), input_pos.to(d), live.to(d)
+        if not (self.compiled and self.skip_guards):
+            return fn(*args)
+        key = "decode" if decode else "prefill"
+        if key not in self._tensors:  # walking the module tree per call would cost ~0.6 ms
+            mod = self.decode_module if decode else self.module
+            self._tensors[key] = [*mod.parameters(), *mod.buffers()]
+        ptrs = [t.data_ptr() for t in self._tensors[key]]  # ~0.02 ms
+        if self._checked.get(key) != ptrs:  # first call, or a tensor was replaced: check guards
+            out = fn(*args)
+            self._checked[key] = ptrs
+            return out
+        with _guards_skipped():
+            return fn(*args)
+
+
+def _guards_skipped():
+    """`set_stance(skip_guard_eval_unsafe=True)` in whatever stance is current.
+
+    WHY the private `_stance`: `set_stance` sets the stance and the flag together and has no
+    getter; entering "default" would silently lift a caller's `fail_on_recompile` or
+    `force_eager`. Without it (another torch), guards are simply checked."""
+    cur = getattr(torch._dynamo.eval_frame, "_stance", None)
+    if cur is None or cur.skip_guard_eval_unsafe:
+        return contextlib.nullcontext()
+    kw = {"force_backend": cur.backend} if cur.backend is not None else {}
+    return torch.compiler.set_stance(cur.stance, skip_guard_eval_unsafe=True, **kw)

@@ -66,7 +66,10 @@ def test_compiled_steps_never_recompile_and_match_eager(model, B):
     torch._dynamo.reset()
     cfg = model.config
     eager = StaticDecoder(model, batch_size=B, prefill_chunk=C)
-    comp = StaticDecoder(model, batch_size=B, prefill_chunk=C, compile=True)
+    # Batch 2 checks Dynamo's guards on every call, so a recompile fails here. Batch 1 runs
+    # with the default skip_guards: after the first call guards are skipped, and the outputs
+    # below are what shows that skipping them is safe.
+    comp = StaticDecoder(model, batch_size=B, prefill_chunk=C, compile=True, skip_guards=B == 1)
     if B == 1:
         # Batch 1 differs from batch 2 in the decode step only (RowLinear's reduction form), so
         # its prefill step runs eager: one cold Inductor compile (~25 s here) fewer in CI.
@@ -91,9 +94,31 @@ def test_compiled_steps_never_recompile_and_match_eager(model, B):
                                        atol=1e-4, rtol=1e-4)
         comp.reset(); eager.reset()  # position 0 again: same graph, no recompile
         torch.testing.assert_close(comp.prefill(ids, mask), eager.prefill(ids, mask), atol=1e-4, rtol=1e-4)
+        if B == 1:
+            check_guard_skipping(comp, eager, tok)
     for a, b in zip(comp.state.tensors(), eager.state.tensors()):
         if a.dtype == torch.bool:
             assert torch.equal(a, b)
+
+
+def check_guard_skipping(comp, eager, tok):
+    """Under fail_on_recompile, for a warmed-up decoder with skip_guards: guards are really
+    skipped, and a weight whose storage was replaced (here by a float64 copy, which the compiled
+    kernels would read as float32) gets them checked again instead of being misread."""
+    log, comp.decode_module.routing_log = comp.decode_module.routing_log, []
+    try:  # Dynamo guards this attribute: checking its guards would recompile and raise here
+        torch.testing.assert_close(comp.decode(tok), eager.decode(tok), atol=1e-4, rtol=1e-4)
+    finally:
+        comp.decode_module.routing_log = log
+    w = comp.decode_module.model.embed_tokens.weight
+    count, orig = comp.live_counts, w.data
+    w.data = orig.double()
+    try:
+        with pytest.raises(RuntimeError, match="recompil"):
+            comp.decode(tok)
+    finally:
+        w.data = orig
+    assert torch.equal(comp.live_counts, count)  # the failed call changed nothing
 
 
 def export_step(model, n):

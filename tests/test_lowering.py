@@ -117,3 +117,26 @@ def test_onnx_rule_skip_keeps_the_optimized_graph():
     full, skipped = optimized_ops(False), optimized_ops(True)
     assert skipped == full and sum(full.values()) < 2000, (skipped - full, full - skipped)
     assert rewriter._DEFAULT_REWRITE_RULES is rules
+
+
+def test_written_cache_views_rebased_on_the_buffer():
+    """A reshape of a cache's last in-place write is re-based on the written buffer (so it can
+    be a free view); a reshape of an earlier write, which a later write changes, is left alone."""
+    from executorch.exir.dialects._ops import ops as exir_ops
+
+    from shram_static.export.views import written_cache_views_pass
+
+    ip, view = exir_ops.edge.aten.index_put_.default, exir_ops.edge.aten.view_copy.default
+    g = torch.fx.Graph()
+    buf, idx, val = g.placeholder("buf"), g.placeholder("idx"), g.placeholder("val")
+    w1 = g.call_function(ip, (buf, [idx], val))
+    v1 = g.call_function(view, (w1, [4, 2]))  # read before the second write
+    w2 = g.call_function(ip, (w1, [idx], val))
+    v2 = g.call_function(view, (w2, [2, 4]))
+    g.output((v1, v2))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    res = written_cache_views_pass(gm)
+    assert res.modified
+    assert v2.args[0] is buf and v2.args[1] == [2, 4]
+    assert v1.args[0] is w1  # an earlier write: untouched
+    assert not written_cache_views_pass(_graph((view, ([8],)))).modified  # no write: nothing

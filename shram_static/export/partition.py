@@ -41,14 +41,8 @@ def xnnpack_partitioner():
         name = format_target_name(getattr(node.target, "__name__", ""))
         if name == ViewCopyConfig.target_name:
             return made_outside(node.args[0])
-        # WHY a cache write's output is not aliased: after the in-place rewrite of the write
-        # (`run_reinplace_pass`), a view of it is placed in the write's own planned tensor, not
-        # in the buffer the kernel wrote, and read other memory (NaN logits in the golden tests,
-        # executorch 1.4.1). So reshapes of a just-written cache stay in the delegate (the ring
-        # and the sparse caches, 1.3 MB per layer of the bench model; re-basing those views on
-        # the buffer fixed the NaN but bought nothing measurable: memmove 1.9% -> 1.5%).
-        if name.startswith("index_put"):
-            return False
+        # A cache write's output counts too: its reshapes are views once
+        # `shram_static.export.views` has re-based them on the written buffer.
         return name not in delegated
 
     class AliasViewConfig(ViewCopyConfig):
@@ -57,3 +51,4 @@ def xnnpack_partitioner():
 
     configs = [AliasViewConfig if c is ViewCopyConfig else c for c in ALL_PARTITIONER_CONFIGS]
     return XnnpackPartitioner(configs=configs)
+

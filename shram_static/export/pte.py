@@ -35,6 +35,7 @@ from ..step import StepModule
 from .partition import xnnpack_partitioner
 from .lowering import drop_metadata_asserts, drop_provenance, needed_xnnpack_passes_only, shared_provenance
 from .quantize import QUANTIZE_MODES, quantize_linears
+from .views import state_view_planning, written_cache_views_pass
 
 FORMAT = "shram_static.pte/1"
 # file_identifier of the ExecuTorch flatbuffer (bytes 4..8 of every .pte written by 1.x).
@@ -185,7 +186,6 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         The program manager; `.buffer` is the .pte bytes.
     """
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
-    from executorch.exir.passes import MemoryPlanningPass
 
     cfg: ShramConfig = model.config
     if quantize not in QUANTIZE_MODES:
@@ -256,16 +256,16 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
                                            compile_config=EdgeCompileConfig(_check_ir_validity=False),
                                            partitioner=[xnnpack_partitioner()], constant_methods=constants)
         return edge.to_executorch(ExecutorchBackendConfig(
-            # share_mutable_buffers + emit_mutable_buffer_names: both methods address ONE copy of
-            # each state buffer (through executorch.runtime's Program; portable_lib's Module API
-            # would give each method its own copy).
-            memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=True),
+            # shared mutable buffers (state_view_planning) + emit_mutable_buffer_names: both
+            # methods address ONE copy of each state buffer (through executorch.runtime's Program;
+            # portable_lib's Module API would give each method its own copy).
+            memory_planning_pass=state_view_planning(),
             emit_mutable_buffer_names=True,
             # index_put -> index_put_: without it each cache write copies the whole buffer into a
             # temporary and back (probe 1: 3.2 vs 2.0 ms/step with 4 MiB caches). Safe: the pass
             # only rewrites when the old buffer value is not read afterwards.
             run_reinplace_pass=True,
-            passes=[_init_first_method_pass(state.names())],
+            passes=[_init_first_method_pass(state.names()), written_cache_views_pass],  # views.py
         ))
 
 
