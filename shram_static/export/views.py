@@ -9,9 +9,9 @@ behaviours (executorch 1.4.1) need mending for that:
 - a view of an initialised state buffer inherits the buffer's starting bytes and name, and the
   emitter stores the bytes again per view (`StateViewPlanning` plans it as a plain tensor at the
   buffer's place).
-Measured on the bench model's decode step (one process, alternating runs, outputs identical):
-batch 1 14.11 -> 13.33 ms, batch 4 24.19 -> 20.30 ms (the delegates copied 6.4 MB of written
-caches per layer per step at batch 4).
+Measured on the bench model's decode-only programs (one process, alternating runs, logits
+identical): batch 1 13.90 -> 12.80 ms, batch 4 22.34 -> 19.88 ms; the delegates had copied
+6.4 MB of written caches per layer per step at batch 4 (export/probes/README.md, section 9).
 """
 
 import torch
