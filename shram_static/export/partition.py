@@ -1,5 +1,6 @@
 """Which ops of a SHRAM step the XNNPACK delegate takes: XNNPACK's own partitioner configs,
-except that a reshape of a tensor made outside the delegate stays outside it.
+except that a reshape of a tensor made outside the delegate (a weight, a state buffer, a cache
+write, a portable gather's output) stays outside it.
 
 WHY: inside an XNNPACK delegate a reshape (`view_copy`) is an operator that copies its input,
 and when that input comes from outside (a weight, or the output of a portable gather) the
@@ -51,4 +52,3 @@ def xnnpack_partitioner():
 
     configs = [AliasViewConfig if c is ViewCopyConfig else c for c in ALL_PARTITIONER_CONFIGS]
     return XnnpackPartitioner(configs=configs)
-
