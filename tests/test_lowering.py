@@ -8,6 +8,7 @@ golden logits and tokens through every `.pte`).
 import contextlib
 import copy
 import types
+import unittest.mock
 
 import torch
 
@@ -36,17 +37,22 @@ def test_pass_filter_keeps_what_can_apply():
 
     default = _default_passes()
     names = [p.__name__ for p in default]
-    plain = [p.__name__ for p in needed_xnnpack_passes(_graph((exir_ops.edge.aten.relu.default, ())), default)]
+    plain = [p.__name__ for p in needed_xnnpack_passes(_graph((exir_ops.edge.aten.neg.default, ())), default)]
     # Passes without a trigger always run, in XNNPACK's order.
-    for always in ("ConvertToLinearPass", "ConstPropPass", "FuseActivationPass",
-                   "ChannelsLastTaggedReshapePass", "RemoveRedundantCopyPass"):
+    for always in ("ConstPropPass", "ChannelsLastTaggedReshapePass"):
         assert always in plain
     assert plain == [n for n in names if n in plain]
     for skipped in ("ConvertToUpsampleBilinear2d", "ConvertToSDPAPass", "DecomposeBatchNorm",
                     "FuseBatchNormPass", "Conv1dUnsqueezePass", "PReLUReshapePass", "RemoveGetItemPass",
-                    "DecomposeConcatenate", "PropagateCustomMetaPass", "DimOrderOpsRevertPass"):
+                    "DecomposeConcatenate", "PropagateCustomMetaPass", "DimOrderOpsRevertPass",
+                    "ConvertToLinearPass", "FuseActivationPass", "RemoveRedundantCopyPass"):
         assert skipped not in plain
     # A node a pass acts on brings it back.
+    for op, args, name in ((exir_ops.edge.aten.relu.default, (), "FuseActivationPass"),
+                           (exir_ops.edge.aten.linear.default, (None,), "ConvertToLinearPass"),
+                           (exir_ops.edge.aten.bmm.default, (None,), "ConvertToLinearPass"),
+                           (exir_ops.edge.aten._to_copy.default, (), "RemoveRedundantCopyPass")):
+        assert name in [p.__name__ for p in needed_xnnpack_passes(_graph((op, args)), default)], name
     conv = _graph((exir_ops.edge.aten.convolution.default, (None, None, [1], [0], [1], False, [0], 1)))
     assert "Conv1dUnsqueezePass" in [p.__name__ for p in needed_xnnpack_passes(conv, default)]
     cat6 = _graph((exir_ops.edge.aten.cat.default, None))
@@ -140,3 +146,154 @@ def test_written_cache_views_rebased_on_the_buffer():
     assert v2.args[0] is buf and v2.args[1] == [2, 4]
     assert v1.args[0] is w1  # an earlier write: untouched
     assert not written_cache_views_pass(_graph((view, ([8],)))).modified  # no write: nothing
+
+
+# ----------------------------------------------------------------------------------------
+# Same program, less work: every speed-up against ExecuTorch's stock lowering, byte for byte
+# ----------------------------------------------------------------------------------------
+
+class _Mixed(torch.nn.Module):
+    """A step in miniature: linears, 4-D means, clamps and bmm (XNNPACK) between cumsum, topk
+    and a state buffer's index_put (portable), so it lowers to several delegates."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8, bias=False)
+        for p in self.parameters():
+            p.data = torch.randn(p.shape, generator=g)
+        self.register_buffer("cache", torch.zeros(4, 8))
+
+    def forward(self, x, pos):
+        h = self.a(x).clamp(min=0.0)  # (N, 8)
+        h = h / h.reshape(-1, 1, 1, 8).mean(dim=(2, 3), keepdim=True).reshape(-1, 1)
+        c = h.cumsum(-1)
+        self.cache.index_put_((pos,), c[:1])
+        top = torch.topk(c, 2).values  # (N, 2)
+        m = torch.bmm(self.b(c)[None], self.cache.t()[None])[0]  # (N, 4)
+        return m.sum(-1, keepdim=True) * top[:, :1] + self.cache[:1, :1]
+
+
+def _lower(fast: bool, calls: list | None = None) -> bytes:
+    """The `_Mixed` module's two methods lowered and emitted, with every speed-up or none;
+    `calls` (if given) gets one entry per `run_decompositions` during lowering."""
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+
+    from shram_static.export import lowering
+    from shram_static.export.partition import xnnpack_partitioner
+
+    mod = _Mixed().eval()
+    pos = torch.zeros(1, dtype=torch.long)
+    with torch.no_grad():
+        programs = {n: torch.export.export(mod, (torch.randn(b, 8), pos), strict=False)
+                    for n, b in (("forward", 1), ("prefill", 3))}
+    config = EdgeCompileConfig(_check_ir_validity=False)
+    blocks = (lowering.needed_edge_passes_only(), lowering.faster_partitioning()) if fast else ()
+    with contextlib.ExitStack() as stack:
+        for b in blocks:
+            stack.enter_context(b)
+        if calls is not None:
+            decompose = torch.export.ExportedProgram.run_decompositions
+            stack.enter_context(unittest.mock.patch.object(
+                torch.export.ExportedProgram, "run_decompositions",
+                # Only this module's programs (XNNPACK's pattern passes decompose their own).
+                lambda self, *a, **k: (calls.append(1) if "cache" in self.graph_signature.buffers else None)
+                or decompose(self, *a, **k)))
+        if fast:
+            edge = lowering.to_edge_and_lower(programs, xnnpack_partitioner(), {"k": 1}, config)
+        else:
+            edge = to_edge_transform_and_lower(programs, partitioner=[xnnpack_partitioner()],
+                                               compile_config=config, constant_methods={"k": 1})
+        return edge.to_executorch(ExecutorchBackendConfig(run_reinplace_pass=True)).buffer
+
+
+def test_lowering_speedups_give_the_stock_program():
+    """One decomposition per method, gated edge passes and linear-time partitioning write the
+    same bytes as ExecuTorch's stock `to_edge_transform_and_lower`; the stock call decomposes
+    the user's programs three times per method, the fast one once."""
+    stock_calls, fast_calls = [], []
+    stock = _lower(False, stock_calls)
+    fast = _lower(True, fast_calls)
+    assert (len(stock_calls), len(fast_calls)) == (6, 2)
+    assert fast == stock
+
+
+def test_lowering_falls_back_when_a_kept_op_is_rejected(monkeypatch):
+    """If the partitioner would reject an op it asked to keep whole, the stock call runs
+    (it decomposes that op); the result is the stock program."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    keep = XnnpackPartitioner.ops_to_not_decompose
+
+    def rejecting(self, ep):
+        ops, _ = keep(self, ep)
+        return ops, lambda node: False
+
+    monkeypatch.setattr(XnnpackPartitioner, "ops_to_not_decompose", rejecting)
+    stock = _lower(False)
+    assert _lower(True) == stock
+
+
+def test_edge_pass_gates():
+    """Each gated edge pass runs when a node it rewrites is present, and the stock pass lists
+    come back after the block."""
+    from executorch.exir import EdgeCompileConfig
+    from executorch.exir.program import _program
+
+    from shram_static.export.lowering import _edge_pass_triggers, needed_edge_passes_only
+
+    t = _edge_pass_triggers()
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(2, 3)
+    nodes = {"t": g.call_function(torch.ops.aten.t.default, (x,)),
+             "view": g.call_function(torch.ops.aten.view.default, (x, [6])),
+             "copy": g.call_function(torch.ops.aten.view_copy.default, (x, [6]))}
+    assert t["NormalizeTransposePass"](nodes["t"]) and not t["NormalizeTransposePass"](nodes["copy"])
+    assert t["ReplaceBrokenOpsWithFunctionalOpsPass"](nodes["view"])
+    assert not t["ReplaceBrokenOpsWithFunctionalOpsPass"](nodes["copy"])
+    assert not t["SymToTensorPass"](x)
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    s = ShapeEnv().create_unbacked_symint()
+    sym = g.call_function(torch.ops.aten.sym_size.int, (x, 0))
+    sym.meta["val"] = s
+    assert t["SymToTensorPass"](sym)
+    mean = g.call_function(torch.ops.aten.mean.dim, (x, [1]))
+    from executorch.exir.dialects._ops import ops as exir_ops
+    mean.target = exir_ops.edge.aten.mean.dim
+    assert not t["LegalizePortableDimOrderPass"](mean)
+    x.meta["val"] = torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    assert t["LegalizePortableDimOrderPass"](mean)
+
+    get, to_et = _program._get_aten_to_edge_passes, _program.edge_to_executorch_passes
+    with needed_edge_passes_only():
+        pre, _ = _program._get_aten_to_edge_passes(EdgeCompileConfig())
+        assert sum(type(p).__name__ == "_GatedPass" for p in pre) == 3
+    assert (_program._get_aten_to_edge_passes, _program.edge_to_executorch_passes) == (get, to_et)
+
+
+def test_legalize_order_is_torchs():
+    """`faster_partitioning` orders nodes as torch's `legalize_graph` does (it is not a stable
+    sort, so the in-place version must reproduce its order exactly), and is scoped."""
+    from torch.fx.passes.tools_common import legalize_graph
+
+    from executorch.exir import lowered_backend_module as lbm
+    from shram_static.export.lowering import _legalize_order, faster_partitioning
+
+    class M(torch.nn.Module):
+        def forward(self, x, y):
+            a, b = x + 1, y * 2
+            c = a @ b.t()
+            d = torch.relu(a) + c.sum()
+            return d * b.mean(), c - a.sum()
+
+    gm = torch.fx.symbolic_trace(M())
+    want = [n.name for n in _legalize_order(gm)]
+    assert [n.name for n in legalize_graph(copy.deepcopy(gm)).graph.nodes] == want
+    with faster_partitioning():
+        out = lbm.legalize_graph(gm)
+        assert lbm.legalize_graph is not legalize_graph
+    assert [n.name for n in out.graph.nodes] == want and lbm.legalize_graph is legalize_graph
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    torch.testing.assert_close(gm(x, y), M()(x, y))  # code regenerated when the block ended

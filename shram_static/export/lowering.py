@@ -7,6 +7,7 @@ here removes work whose result is thrown away, and says why it is safe.
 """
 
 import contextlib
+import logging
 
 import torch
 
@@ -98,6 +99,13 @@ def _pass_triggers() -> dict:
         # Only copies metadata onto quantize/dequantize nodes.
         "PropagateCustomMetaPass": lambda n: n.op == "call_function" and (is_quant(n) or is_dequant(n)),
         "DimOrderOpsRevertPass": lambda n: _op_name(n) in dim_order_ops,
+        # Fuses a relu/hardtanh into the op before it (not clamp).
+        "FuseActivationPass": named("aten.relu.default", "aten.hardtanh.default"),
+        # Removes pairs of _to_copy (the layout conversions ChannelsLastTaggedReshapePass adds).
+        "RemoveRedundantCopyPass": named("aten._to_copy.default"),
+        # Rewrites [add]mm/bmm of linear origin and linears next to view_copy/dequantize nodes.
+        "ConvertToLinearPass": named("aten.mm.default", "aten.addmm.default", "aten.bmm.default",
+                                     "aten.linear.default"),
     }
 
 
@@ -154,6 +162,186 @@ def needed_xnnpack_passes_only():
         cls.__init__ = init
 
 
+def _edge_pass_triggers() -> dict:
+    """ATen-to-edge pass name -> predicate on a node: the pass can change the graph only if some
+    node satisfies it (read off each pass's `call_operator` in executorch 1.4.1, which is
+    pinned; each one rewrites only the nodes named here and otherwise re-traces the graph)."""
+
+    def symbolic(n) -> bool:
+        vals = n.meta.get("val")
+        vals = vals if isinstance(vals, (list, tuple)) else [vals]
+        return any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))
+                   or (isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape))
+                   for v in vals)
+
+    from executorch.exir.passes.legalize_portable_dim_order_pass import LegalizePortableDimOrderPass
+
+    def non_default_dim_order_input(n) -> bool:
+        if n.op != "call_function" or n.target not in LegalizePortableDimOrderPass._target_ops:
+            return False
+        v = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
+        return isinstance(v, torch.Tensor) and tuple(v.dim_order()) != tuple(range(v.dim()))
+
+    return {
+        # Puts scalar_tensor before SymInt/SymFloat/SymBool arguments: none in a static graph.
+        "SymToTensorPass": symbolic,
+        "NormalizeTransposePass": lambda n: n.op == "call_function" and n.target is torch.ops.aten.t.default,
+        # Replaces view ops by their _copy variants; runs after ReplaceViewOpsWithViewCopyOpsPass.
+        "ReplaceBrokenOpsWithFunctionalOpsPass": lambda n: (
+            n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.is_view),
+        # (edge -> ExecuTorch) Copies to the default dim order the input of a portable mean/sum/
+        # expand/pooling that has another; a SHRAM step's tensors are all contiguous.
+        "LegalizePortableDimOrderPass": non_default_dim_order_input,
+    }
+
+
+class _GatedPass:
+    """A pass that runs only when some node of the graph satisfies `hit`; else a no-op."""
+
+    def __init__(self, inner, hit):
+        self.inner, self.hit = inner, hit
+
+    def __call__(self, graph_module):
+        from torch.fx.passes.infra.pass_base import PassResult
+
+        if any(self.hit(n) for n in graph_module.graph.nodes):
+            return self.inner(graph_module)
+        return PassResult(graph_module, False)
+
+
+@contextlib.contextmanager
+def needed_edge_passes_only():
+    """Within the block, ExecuTorch's ATen-to-edge conversion (`to_edge`) and its edge-to-ExecuTorch
+    passes (`to_executorch`) skip the passes that cannot change the graph (`_edge_pass_triggers`).
+
+    WHY: each of those passes is an `ExportPass` that re-traces every node of the graph with
+    fake tensors to rewrite a few ops a static SHRAM step does not hold (`aten.t`, a SymInt
+    argument, a view op left after the view-to-copy pass): ~0.8 s each per method on the
+    built-in model, ~2.5 s on the bench model. The pass lists are read from
+    `_get_aten_to_edge_passes` and `edge_to_executorch_passes` when a method is converted, so
+    those functions are wrapped for the block only; executorch is pinned (pyproject.toml).
+    """
+    from executorch.exir.program import _program
+
+    get = _program._get_aten_to_edge_passes
+    triggers = _edge_pass_triggers()
+
+    def name(p) -> str:  # a pass object, or torch's `pass_result_wrapper` named after its class
+        return getattr(p, "__name__", type(p).__name__)
+
+    def gated(passes):
+        return [_GatedPass(p, triggers[name(p)]) if name(p) in triggers else p for p in passes]
+
+    def filtered(config):
+        pre, post = get(config)
+        return gated(pre), gated(post)
+
+    to_et = _program.edge_to_executorch_passes
+
+    def filtered_to_et(*args, **kwargs):
+        return gated(to_et(*args, **kwargs))
+
+    _program._get_aten_to_edge_passes = filtered
+    _program.edge_to_executorch_passes = filtered_to_et
+    try:
+        yield
+    finally:
+        _program._get_aten_to_edge_passes = get
+        _program.edge_to_executorch_passes = to_et
+
+
+def _can_merge_partitions(self, p1, p2, partitions_by_id) -> bool:
+    """`GroupBasedPartitioner._can_merge_partitions` of executorch 1.4.1 with the same answer:
+    two partitions merge unless a node outside both, fed by one of them, feeds one of them
+    back (a cycle), checked on the precomputed dependency sets and then on the live graph.
+
+    The stock method tests each external user's downstream set with a Python generator over
+    the whole set; `isdisjoint` asks the same question in C over the smaller set.
+    """
+    from torch.fx.passes.utils.fuser_utils import validate_partition
+
+    combined = set(partitions_by_id[p1].nodes) | set(partitions_by_id[p2].nodes)
+    for node in combined:
+        for user in node.users:
+            if user not in combined and not self.dependency_viewer.downstreams_of(user).isdisjoint(combined):
+                return False
+    return validate_partition(list(combined))
+
+
+def _legalize_order(gm) -> list:
+    """The node order `torch.fx.passes.tools_common.legalize_graph` (torch 2.13, pinned) gives
+    `gm`: Kahn's algorithm over a deque, runtime-assertion and scalar ops first."""
+    import collections
+    import operator
+
+    prioritized = {operator.add, operator.mul, operator.sub, operator.floordiv, operator.truediv,
+                   operator.mod, operator.le, operator.lt, operator.ge, operator.gt, operator.eq,
+                   operator.ne, torch.ops.aten.sym_constrain_range.default,
+                   torch.ops.aten.sym_constrain_range_for_size.default, torch.ops.aten._assert_async.msg,
+                   torch.ops.aten.scalar_tensor.default, torch.ops.aten._assert_scalar.default}
+    nodes = list(gm.graph.nodes)
+    indeg = dict.fromkeys(nodes, 0)
+    for node in nodes:
+        for user in node.users:
+            indeg[user] += 1
+    queue = collections.deque(n for n in nodes if indeg[n] == 0)
+    order = []
+    while queue:
+        cur = queue.popleft()
+        order.append(cur)
+        for user in cur.users:
+            indeg[user] -= 1
+            if indeg[user] == 0:
+                if user.op == "call_function" and user.target in prioritized:
+                    queue.appendleft(user)
+                else:
+                    queue.append(user)
+    if len(order) < len(nodes):
+        raise RuntimeError(f"Input graph has cycles, unable to add {[n for n in indeg if indeg[n] != 0]}")
+    return order
+
+
+@contextlib.contextmanager
+def faster_partitioning():
+    """Within the block, ExecuTorch's partitioning of a graph into delegates gives the same
+    partitions and the same graph in time linear, not quadratic, in the partition count.
+
+    WHY: profile of the bench model's `.pte` lowering, 120 s in `to_backend` of which XNNPACK's
+    preprocessing was 39 s; the rest was two quadratic steps. (1) `GroupBasedPartitioner`
+    tries to merge every pair of candidate partitions, each try scanning whole downstream sets
+    in a Python generator (427 M steps): `_can_merge_partitions` answers the same with
+    `set.isdisjoint`. (2) `create_submodule_from_nodes` calls `legalize_graph` after cutting
+    out each of the 134 delegates, which copies every node of the whole graph into a new one
+    and regenerates its Python code: the same order is applied to the same nodes in place, and
+    the code is regenerated once per graph when the block ends (nothing runs the graph module
+    in between: delegates are cut from and lowered off its `graph`). Both functions are read
+    when called, so they are swapped for the block only; executorch and torch are pinned.
+    """
+    from executorch.exir import lowered_backend_module as lbm
+    from executorch.exir.backend.canonical_partitioners.group_partitioner import GroupBasedPartitioner
+
+    touched = {}
+
+    def legalize_in_place(gm):
+        cursor = gm.graph._root
+        for node in _legalize_order(gm):
+            if cursor._next is not node:
+                cursor.append(node)
+            cursor = node
+        touched[id(gm)] = gm
+        return gm
+
+    merge, legalize = GroupBasedPartitioner._can_merge_partitions, lbm.legalize_graph
+    GroupBasedPartitioner._can_merge_partitions = _can_merge_partitions
+    lbm.legalize_graph = legalize_in_place
+    try:
+        yield
+    finally:
+        GroupBasedPartitioner._can_merge_partitions, lbm.legalize_graph = merge, legalize
+        for gm in touched.values():
+            gm.recompile()
+
+
 # onnxscript rewrite rules the ONNX export leaves out (see `without_onnx_rewrite_rules`).
 SKIPPED_ONNX_RULES = ("SlicesSplit",)
 
@@ -181,3 +369,67 @@ def without_onnx_rewrite_rules(names=SKIPPED_ONNX_RULES):
         yield
     finally:
         rewriter._DEFAULT_REWRITE_RULES = rules
+
+
+def to_edge_and_lower(programs: dict, partitioner, constant_methods: dict, compile_config):
+    """`executorch.exir.to_edge_transform_and_lower` with one decomposition pass per method
+    instead of three, when that gives the same program; otherwise the stock call.
+
+    WHY: the stock call, for a partitioner that checks op support (XNNPACK's does), runs
+    `run_decompositions` three times per method (functionalize; decompose all but the ops the
+    partitioner asks to keep; decompose again those of the kept ops it then rejects), each a
+    full re-trace of the graph: 18 of the 63 s of the built-in model's `.pte` export. ExecuTorch's
+    public two-step flow (`to_edge` with `EdgeCompileConfig.preserve_ops`, then `to_backend`)
+    functionalizes and decomposes in one pass. The only difference is for a kept op the
+    partitioner would then reject (e.g. a linear XNNPACK cannot take): the stock call decomposes
+    it, the two-step flow would leave it whole. So each kept op of the edge graph is checked
+    with the partitioner's own support check first, and any rejection falls back to the stock
+    call (never taken by a SHRAM step: every kept op is a delegated linear or torchao quant op).
+
+    Args:
+        programs: method name -> `torch.export.ExportedProgram` (ATen).
+        partitioner: one partitioner for every method.
+        constant_methods: as for `to_edge_transform_and_lower`.
+        compile_config: an `EdgeCompileConfig`; its `preserve_ops` is extended, not replaced.
+
+    Returns:
+        The lowered `EdgeProgramManager`.
+    """
+    import dataclasses
+
+    from executorch.exir import to_edge, to_edge_transform_and_lower
+
+    present = {n.target for ep in programs.values() for n in ep.graph.nodes if n.op == "call_function"}
+    keep = [op for op in partitioner.ops_to_not_decompose(next(iter(programs.values())))[0] if op in present]
+    config = dataclasses.replace(compile_config, preserve_ops=list(compile_config.preserve_ops) + keep)
+    edge = to_edge(programs, constant_methods=constant_methods, compile_config=config)
+    for name in programs:
+        ep = edge.exported_program(name)
+        _, supported = partitioner.ops_to_not_decompose(ep)
+        for n in ep.graph.nodes:
+            # An edge op wraps its ATen op in `_op`.
+            if n.op == "call_function" and getattr(n.target, "_op", n.target) in keep \
+                    and not (supported is None or supported(n)):
+                return to_edge_transform_and_lower(programs, partitioner=[partitioner],
+                                                   compile_config=compile_config,
+                                                   constant_methods=constant_methods)
+    # The XNNPACK partitioner logs a deprecation notice for to_edge + to_backend, advising the
+    # stock call for its support filter; that filter is applied above, so the notice is dropped.
+    log = logging.getLogger("executorch.backends.xnnpack.partition.xnnpack_partitioner")
+    quiet = _DropMessage("DEPRECATION WARNING")
+    log.addFilter(quiet)
+    try:
+        return edge.to_backend(partitioner)
+    finally:
+        log.removeFilter(quiet)
+
+
+class _DropMessage(logging.Filter):
+    """Drops log records whose message contains `text`."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record) -> bool:
+        return self.text not in record.getMessage()

@@ -33,7 +33,8 @@ from ..host import HostDecoder
 from ..state import StaticState
 from ..step import StepModule
 from .partition import xnnpack_partitioner
-from .lowering import drop_metadata_asserts, drop_provenance, needed_xnnpack_passes_only, shared_provenance
+from .lowering import (drop_metadata_asserts, drop_provenance, faster_partitioning, needed_edge_passes_only,
+                       needed_xnnpack_passes_only, shared_provenance, to_edge_and_lower)
 from .quantize import QUANTIZE_MODES, quantize_linears
 from .views import state_view_planning, written_cache_views_pass
 
@@ -108,35 +109,36 @@ def export_copy(model: nn.Module) -> nn.Module:
 
 
 def _init_first_method_pass(names):
-    """`InitializedMutableBufferPass` that marks the state buffers of the FIRST method only.
+    """A pass that marks the state buffers of the FIRST method it sees as initialised
+    (`meta["et_init_buffer"]` on their placeholders, what ExecuTorch's
+    `InitializedMutableBufferPass` sets).
 
-    WHY: without the pass a mutated buffer is emitted with shape and dtype only, and a fresh
+    WHY: without the mark a mutated buffer is emitted with shape and dtype only, and a fresh
     program's state is whatever the allocator left (a NaN in a masked slot still poisons
     attention: 0 * NaN). With it, the starting bytes are stored per method, so marking both
     methods stores the whole state twice. The runtime copies them in when the method is loaded,
     so the decode method (lowered first, loaded first by `load_pte` and the only one the stock
-    runner loads) is enough.
+    runner loads) is enough. The mark is set on the placeholders directly: ExecuTorch's pass
+    sets it while re-tracing the whole graph (1.6 s per method on the built-in model), and
+    `to_executorch` re-traces right after it anyway (SpecPropPass).
     """
-    from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
-
-    class _FirstMethodOnly(InitializedMutableBufferPass):
-        def __init__(self, patterns):
-            super().__init__(patterns)
-            self.calls = 0
-
-        def call(self, graph_module):
-            self.calls += 1
-            if self.calls == 1:
-                return super().call(graph_module)
-            saved, self.patterns = self.patterns, []
-            try:
-                return super().call(graph_module)
-            finally:
-                self.patterns = saved
+    from torch.fx.passes.infra.pass_base import PassResult
 
     # Placeholder names are the FQNs with dots as underscores ("b_step_state_layers_0_taken");
-    # the pass matches substrings, and "..._layers_1_taken" is no substring of "..._layers_11_taken".
-    return _FirstMethodOnly([f"state_{n.replace('.', '_')}" for n in names])
+    # matched as substrings, as ExecuTorch's pass does, and "..._layers_1_taken" is no substring
+    # of "..._layers_11_taken".
+    patterns = [f"state_{n.replace('.', '_')}" for n in names]
+    calls = []
+
+    def mark_first_method(graph_module):
+        calls.append(None)
+        if len(calls) == 1:
+            for node in graph_module.graph.nodes:
+                if node.op == "placeholder" and any(p in node.name for p in patterns):
+                    node.meta["et_init_buffer"] = True
+        return PassResult(graph_module, len(calls) == 1)
+
+    return mark_first_method
 
 
 def program_ops(et_program, method: str) -> dict:
@@ -185,7 +187,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     Returns:
         The program manager; `.buffer` is the .pte bytes.
     """
-    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig
 
     cfg: ShramConfig = model.config
     if quantize not in QUANTIZE_MODES:
@@ -251,10 +253,9 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     # own preprocessing of such a partition, the `aten.linear` nodes the XNNPACK partitioner keeps
     # undecomposed for its linear kernel (SpecViolationError: "not in Core ATen opset"). What the
     # program runs is checked by running it (tests/test_export_pte.py: allowlisted kernels only).
-    with shared_provenance(), needed_xnnpack_passes_only():
-        edge = to_edge_transform_and_lower(programs,
-                                           compile_config=EdgeCompileConfig(_check_ir_validity=False),
-                                           partitioner=[xnnpack_partitioner()], constant_methods=constants)
+    with shared_provenance(), needed_edge_passes_only(), needed_xnnpack_passes_only(), faster_partitioning():
+        edge = to_edge_and_lower(programs, xnnpack_partitioner(), constants,
+                                 EdgeCompileConfig(_check_ir_validity=False))
         return edge.to_executorch(ExecutorchBackendConfig(
             # shared mutable buffers (state_view_planning) + emit_mutable_buffer_names: both
             # methods address ONE copy of each state buffer (through executorch.runtime's Program;
