@@ -139,7 +139,9 @@ def needed_xnnpack_passes_only():
     partition with fake tensors and re-checks it, whether or not the partition holds anything
     the pass rewrites; the two pattern passes also trace their pattern graphs once per process
     (3.3 s). A SHRAM step has no convolution, batch norm, PReLU, upsampling, pooling or SDPA.
-    Measured on the built-in model, decode-only `.pte`: 10 of the 17 passes were ~13 of 47 s.
+    Measured on the built-in model, decode-only `.pte`: 10 of the 17 passes were ~13 of 47 s;
+    FuseActivation, RemoveRedundantCopy and ConvertToLinear, gated later, ~1.2-1.8 s each
+    over both methods' partitions.
     ExecuTorch's maintainers cut the same cost the same way for their llama export (pytorch/
     executorch#1893: only ConvertToLinearPass for dynamically quantized linears); the pass list
     is the only hook, so the default list is filtered where it is built. Restored on exit;
