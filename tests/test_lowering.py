@@ -241,9 +241,9 @@ def test_edge_pass_gates():
     from executorch.exir import EdgeCompileConfig
     from executorch.exir.program import _program
 
-    from shram_static.export.lowering import _edge_pass_triggers, needed_edge_passes_only
+    from shram_static.export.lowering import _pass_triggers, needed_edge_passes_only
 
-    t = _edge_pass_triggers()
+    t = _pass_triggers()
     g = torch.fx.Graph()
     x = g.placeholder("x")
     x.meta["val"] = torch.empty(2, 3)

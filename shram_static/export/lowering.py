@@ -72,13 +72,29 @@ def _op_name(node) -> str:
 
 
 def _pass_triggers() -> dict:
-    """XNNPACK pass name -> predicate on a node: the pass can change the partition only if some
-    node satisfies it (read off each pass's source in executorch 1.4.1, which is pinned)."""
+    """Pass name -> predicate on a node: the pass can change the graph only if some node
+    satisfies it. XNNPACK's `preprocess` passes (per partition) and ExecuTorch's ATen-to-edge and
+    edge-to-ExecuTorch passes (per method), read off each pass's source in executorch 1.4.1,
+    which is pinned; each rewrites only the nodes named here and otherwise re-traces the graph."""
     from executorch.backends.xnnpack.utils.quant_utils import is_dequant, is_quant
     from executorch.exir.passes.dim_order_ops_registry import MemoryFormatOpsMap
+    from executorch.exir.passes.legalize_portable_dim_order_pass import LegalizePortableDimOrderPass
 
     def named(*names):
         return lambda n: _op_name(n) in names
+
+    def symbolic(n) -> bool:
+        vals = n.meta.get("val")
+        vals = vals if isinstance(vals, (list, tuple)) else [vals]
+        return any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))
+                   or (isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape))
+                   for v in vals)
+
+    def non_default_dim_order_input(n) -> bool:
+        if n.op != "call_function" or n.target not in LegalizePortableDimOrderPass._target_ops:
+            return False
+        v = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
+        return isinstance(v, torch.Tensor) and tuple(v.dim_order()) != tuple(range(v.dim()))
 
     dim_order_ops = {getattr(op, "__name__", str(op)) for op in MemoryFormatOpsMap}
     return {
@@ -106,6 +122,16 @@ def _pass_triggers() -> dict:
         # Rewrites [add]mm/bmm of linear origin and linears next to view_copy/dequantize nodes.
         "ConvertToLinearPass": named("aten.mm.default", "aten.addmm.default", "aten.bmm.default",
                                      "aten.linear.default"),
+        # ExecuTorch's own passes.
+        # Puts scalar_tensor before SymInt/SymFloat/SymBool arguments: none in a static graph.
+        "SymToTensorPass": symbolic,
+        "NormalizeTransposePass": lambda n: n.op == "call_function" and n.target is torch.ops.aten.t.default,
+        # Replaces view ops by their _copy variants; runs after ReplaceViewOpsWithViewCopyOpsPass.
+        "ReplaceBrokenOpsWithFunctionalOpsPass": lambda n: (
+            n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.is_view),
+        # (edge -> ExecuTorch) Copies to the default dim order the input of a portable mean/sum/
+        # expand/pooling that has another; a SHRAM step's tensors are all contiguous.
+        "LegalizePortableDimOrderPass": non_default_dim_order_input,
     }
 
 
@@ -164,39 +190,6 @@ def needed_xnnpack_passes_only():
         cls.__init__ = init
 
 
-def _edge_pass_triggers() -> dict:
-    """ATen-to-edge pass name -> predicate on a node: the pass can change the graph only if some
-    node satisfies it (read off each pass's `call_operator` in executorch 1.4.1, which is
-    pinned; each one rewrites only the nodes named here and otherwise re-traces the graph)."""
-
-    def symbolic(n) -> bool:
-        vals = n.meta.get("val")
-        vals = vals if isinstance(vals, (list, tuple)) else [vals]
-        return any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))
-                   or (isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape))
-                   for v in vals)
-
-    from executorch.exir.passes.legalize_portable_dim_order_pass import LegalizePortableDimOrderPass
-
-    def non_default_dim_order_input(n) -> bool:
-        if n.op != "call_function" or n.target not in LegalizePortableDimOrderPass._target_ops:
-            return False
-        v = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
-        return isinstance(v, torch.Tensor) and tuple(v.dim_order()) != tuple(range(v.dim()))
-
-    return {
-        # Puts scalar_tensor before SymInt/SymFloat/SymBool arguments: none in a static graph.
-        "SymToTensorPass": symbolic,
-        "NormalizeTransposePass": lambda n: n.op == "call_function" and n.target is torch.ops.aten.t.default,
-        # Replaces view ops by their _copy variants; runs after ReplaceViewOpsWithViewCopyOpsPass.
-        "ReplaceBrokenOpsWithFunctionalOpsPass": lambda n: (
-            n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.is_view),
-        # (edge -> ExecuTorch) Copies to the default dim order the input of a portable mean/sum/
-        # expand/pooling that has another; a SHRAM step's tensors are all contiguous.
-        "LegalizePortableDimOrderPass": non_default_dim_order_input,
-    }
-
-
 class _GatedPass:
     """A pass that runs only when some node of the graph satisfies `hit`; else a no-op."""
 
@@ -214,7 +207,7 @@ class _GatedPass:
 @contextlib.contextmanager
 def needed_edge_passes_only():
     """Within the block, ExecuTorch's ATen-to-edge conversion (`to_edge`) and its edge-to-ExecuTorch
-    passes (`to_executorch`) skip the passes that cannot change the graph (`_edge_pass_triggers`).
+    passes (`to_executorch`) skip the passes that cannot change the graph (`_pass_triggers`).
 
     WHY: each of those passes is an `ExportPass` that re-traces every node of the graph with
     fake tensors to rewrite a few ops a static SHRAM step does not hold (`aten.t`, a SymInt
@@ -226,7 +219,7 @@ def needed_edge_passes_only():
     from executorch.exir.program import _program
 
     get = _program._get_aten_to_edge_passes
-    triggers = _edge_pass_triggers()
+    triggers = _pass_triggers()
 
     def name(p) -> str:  # a pass object, or torch's `pass_result_wrapper` named after its class
         return getattr(p, "__name__", type(p).__name__)
