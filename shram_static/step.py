@@ -104,7 +104,8 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
     q_j = (count[:, None] - 1) - (count[:, None] - 1 - j).remainder(R)  # (B, R+1) position in slot j
     dp = pos[:, :, None] - q_j[:, None, :]  # (B, C, R+1)
     local_mask = ((q_j[:, None, :] >= 0) & (dp >= 0) & (dp < Wn) & (j < R))[:, None]  # (B, 1, C, R+1)
-    dtype = model.embed_tokens.weight.dtype
+    x = model.embed_tokens(tokens)  # (B, C, d)
+    dtype = x.dtype  # the embedding may be a quantized table (export.quantize): no .weight
     ar_t = torch.arange(T + 1, device=dev)
     main_cos = main_sin = None
     if cfg.rope_mode == "main_sequence":
@@ -122,7 +123,6 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
     run = _layer_step
     if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
         run = _nested_layer_step
-    x = model.embed_tokens(tokens)  # (B, C, d)
     new_state: list[torch.Tensor] = []
     routing: list[torch.Tensor] = []
     for i, layer in enumerate(model.model.layers):

@@ -211,3 +211,10 @@ def test_export_decode_only_is_pte_only(tmp_path, capsys):
     assert main(["export", "--format", "pte,onnx", "--decode-only", "--out", str(tmp_path / "o")]) == 2
     assert "--decode-only applies to --format pte" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_export_quantize_embedding_needs_quantize(tmp_path, capsys):
+    """`--quantize-embedding` without `--quantize` is an error before anything is written."""
+    assert main(["export", "--format", "pte", "--quantize-embedding", "--out", str(tmp_path / "o")]) == 2
+    assert "--quantize-embedding applies with --quantize" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -20,7 +20,7 @@ from helpers import GOLDEN_CASES, golden_case, golden_run, tiny_model
 from shram_static import StaticDecoder
 from shram_static.export import ExportFormatError, export_pte, load_pte
 from shram_static.export.pte import lower_program, program_ops
-from shram_static.export.quantize import quantize_linears
+from shram_static.export.quantize import quantize_weights
 from shram_static.tokenizer import ByteTokenizer, bytes_to_unicode
 
 
@@ -329,6 +329,10 @@ def test_export_argument_errors(tmp_path):
     model = tiny_model()
     with pytest.raises(ValueError, match="quantize"):
         export_pte(model, tmp_path / "x.pte", quantize="int4")
+    with pytest.raises(ValueError, match="quantize_embedding must be a bool"):
+        export_pte(model, tmp_path / "x.pte", quantize="int8", quantize_embedding="yes")
+    with pytest.raises(ValueError, match="quantize_embedding applies with quantize"):
+        export_pte(model, tmp_path / "x.pte", quantize_embedding=True)
     with pytest.raises(ValueError, match="prefill_chunk"):
         export_pte(model, tmp_path / "x.pte", prefill_chunk=0)
     with pytest.raises(ValueError, match="eos_token_id"):
@@ -341,23 +345,53 @@ def test_export_argument_errors(tmp_path):
 # matmul adds a relative error of about 2^-(bits) of its operands' range, and a flipped expert
 # choice moves a token's logits further. The one-layer tiny model's logits are random weights
 # (the worst case for low-bit weights); measured max / mean |drift| over a 100-token prompt:
-# int8 0.058 / 0.0099 (argmax agreement 98%), 8da4w 0.66 / 0.112 (76%). The bounds leave ~2x
-# headroom. The lowering itself is checked against the same quantization run eagerly.
-DRIFT = {"int8": (0.12, 0.02), "8da4w": (1.4, 0.23)}
+# int8 0.058 / 0.0099 (argmax agreement 98%), 8da4w 0.69 / 0.112 (76%); with the int8 embedding
+# (it moves the router's input, and this model's routing flips on it) int8 2.01 / 0.041 (93%),
+# 8da4w 2.01 / 0.126 (76%). The bounds leave ~2x headroom. The lowering itself is checked
+# against the same quantization run eagerly.
+DRIFT = {("int8", False): (0.12, 0.02), ("8da4w", True): (4.0, 0.25)}
 
 
-@pytest.mark.parametrize("mode", ["int8", "8da4w"])
-def test_quantize_covers_every_linear_including_lm_head(mode):
-    model = tiny_model()
-    q = quantize_linears(model, mode)
+@pytest.mark.parametrize("mode,tied,embedding", [("int8", False, True), ("8da4w", False, True), ("int8", True, True),
+                                                 ("int8", False, False)])
+def test_quantize_covers_every_linear_and_the_embedding(mode, tied, embedding):
+    """Every nn.Linear (lm_head included, its own copy when tied) and, unless asked not to, the
+    embedding are quantized, on a copy."""
+    from shram_static.export.quantize import Int8Embedding
+    model = tiny_model(tie_word_embeddings=tied)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    q = quantize_weights(model, mode, embedding=embedding)
     lin = {n: m for n, m in q.named_modules() if isinstance(m, torch.nn.Linear)}
-    assert "lm_head" in lin and len(lin) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert "lm_head" in lin and len(lin) == sum(isinstance(m, torch.nn.Linear) for m in model.modules()) + tied
     plain = [n for n, m in lin.items() if type(m.weight) in (torch.Tensor, torch.nn.Parameter)]
     assert not plain, f"left in float: {plain}"
-    assert all(type(m.weight) in (torch.Tensor, torch.nn.Parameter) for m in model.modules()
-               if isinstance(m, torch.nn.Linear)), "the input model was modified"
+    if embedding:
+        assert isinstance(q.embed_tokens, Int8Embedding) and q.embed_tokens.weight_q.dtype == torch.int8
+    else:
+        assert type(q.embed_tokens) is torch.nn.Embedding and torch.equal(q.embed_tokens.weight, model.embed_tokens.weight)
+    after = model.state_dict()  # the input model is untouched
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert type(model.embed_tokens) is torch.nn.Embedding and (model.lm_head is None) == tied
     with pytest.raises(ValueError, match="quantize must be one of"):
-        quantize_linears(model, "int3")
+        quantize_weights(model, "int3")
+
+
+def test_int8_embedding_looks_up_dequantized_rows():
+    """Each looked-up row is its int8 row times its scale (a loop over ids), within half a step
+    of the float row."""
+    from shram_static.export.quantize import Int8Embedding
+    emb = torch.nn.Embedding(50, 24)
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(50, 24, generator=torch.Generator().manual_seed(1)) * torch.rand(50, 1) * 3)
+    q = Int8Embedding(emb)
+    ids = torch.tensor([[3, 0, 49, 3], [7, 7, 12, 1]])
+    got = q(ids)
+    assert got.shape == (2, 4, 24) and got.dtype == torch.float32
+    for b in range(2):
+        for t in range(4):
+            i = int(ids[b, t])
+            assert torch.equal(got[b, t], q.weight_q[i].float() * q.scale[i, 0])
+            assert (got[b, t] - emb.weight[i]).abs().max() <= 0.51 * q.scale[i, 0]
 
 
 def test_8da4w_keeps_int8_where_groups_do_not_fit():
@@ -367,7 +401,7 @@ def test_8da4w_keeps_int8_where_groups_do_not_fit():
     from helpers import TINY_CONFIG, randomize_
     from shram_static import ShramConfig, ShramForCausalLM
     model = randomize_(ShramForCausalLM(ShramConfig(**dict(TINY_CONFIG, mlp_width=72))), 3)
-    q4, q8 = quantize_linears(model, "8da4w"), quantize_linears(model, "int8")
+    q4, q8 = quantize_weights(model, "8da4w"), quantize_weights(model, "int8")
     gen = torch.Generator().manual_seed(0)
     for name, width, int4 in (("mlp.up_proj", 64, True), ("mlp.down_proj", 72, False)):
         x = torch.randn(2, width, generator=gen)
@@ -375,14 +409,14 @@ def test_8da4w_keeps_int8_where_groups_do_not_fit():
         assert torch.equal(m4(x), m8(x)) != int4, name
 
 
-@pytest.mark.parametrize("mode", ["int8", "8da4w"])
-def test_quantized_program(tmp_path, mode):
+@pytest.mark.parametrize("mode,embedding", [("int8", False), ("8da4w", True)])
+def test_quantized_program(tmp_path, mode, embedding):
     """Drift of a lowered quantized program against fp32 (eager: the fp32 program equals it to
     1e-4, tests above; not sharing that program lets this test run on another worker). Decode
     only, to halve the lowering: the prompts go token by token through the quantized step."""
     model = tiny_model(num_decoder_layers=1)  # one layer: half the lowering
     pathq = export_pte(model, tmp_path / f"{mode}.pte", batch_size=1, prefill_chunk=None, quantize=mode,
-                       eos_token_id=EOS)
+                       eos_token_id=EOS, quantize_embedding=embedding)
     # Smaller than the fp32 bytes it would hold (weights, rope tables, starting state), which a
     # float program exceeds (delegate payloads and graph: a decode-only fp32 tiny program is 1.12x them).
     from shram_static.state import state_bytes
@@ -390,8 +424,8 @@ def test_quantized_program(tmp_path, mode):
     fp32 += state_bytes(model.config, 1, 1)
     assert os.path.getsize(pathq) < fp32, (os.path.getsize(pathq), fp32)
     decq, dec32 = load_pte(pathq), StaticDecoder(model, batch_size=1, prefill_chunk=8)
-    assert decq.meta["quantize"] == mode
-    max_drift, mean_drift = DRIFT[mode]
+    assert decq.meta["quantize"] == mode and decq.meta["quantize_embedding"] == embedding
+    max_drift, mean_drift = DRIFT[mode, embedding]
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (1, 100), generator=gen)
     lq, l32 = decq.prefill(ids), dec32.prefill(ids)
@@ -400,7 +434,7 @@ def test_quantized_program(tmp_path, mode):
           "argmax agreement", (lq.argmax(-1) == l32.argmax(-1)).float().mean().item())
     assert drift.max() <= max_drift and drift.mean() <= mean_drift, (drift.max(), drift.mean())
     # the program computes what torchao's quantized model computes eagerly (uncached forward)
-    eager = quantize_linears(model, mode)(ids).logits
+    eager = quantize_weights(model, mode, embedding=embedding)(ids).logits
     lowered = (lq - eager).abs()
     print(mode, "program vs eager quantized: max", lowered.max().item(), "mean", lowered.mean().item())
     assert lowered.mean() <= 0.1 * mean_drift, (lowered.max(), lowered.mean())

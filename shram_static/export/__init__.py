@@ -9,11 +9,12 @@ from .pte import ExportFormatError
 
 
 def export_pte(model, path, batch_size=1, prefill_chunk=32, quantize=None, eos_token_id=None,
-               bos_token_id=None):
+               bos_token_id=None, *, quantize_embedding=False):
     """Writes an ExecuTorch program; see `shram_static.export.pte.export_pte`."""
     from .pte import export_pte as _export
     return _export(model, path, batch_size=batch_size, prefill_chunk=prefill_chunk,
-                   quantize=quantize, eos_token_id=eos_token_id, bos_token_id=bos_token_id)
+                   quantize=quantize, eos_token_id=eos_token_id, bos_token_id=bos_token_id,
+                   quantize_embedding=quantize_embedding)
 
 
 def load_pte(path):

@@ -20,6 +20,8 @@ def export_main(args) -> int:
         raise ValueError(f"--format takes a comma-separated subset of {FORMATS}, got {args.format!r}")
     if args.decode_only and formats != ["pte"]:
         raise ValueError("--decode-only applies to --format pte (an .onnx export always has both graphs)")
+    if args.quantize_embedding and not args.quantize:
+        raise ValueError("--quantize-embedding applies with --quantize (int8 or 8da4w)")
     model, tok = load_model_and_tokenizer(args.checkpoint)
     os.makedirs(args.out, exist_ok=True)
     # The stock ExecuTorch runner reads a tokenizer.json: ship the checkpoint's own, else ours.
@@ -40,7 +42,8 @@ def export_main(args) -> int:
             suffix = f".{args.quantize}" if args.quantize else ""
             path = export_pte(model, f"{stem}{suffix}.pte", batch_size=args.batch_size,
                               prefill_chunk=None if args.decode_only else args.prefill_chunk,
-                              quantize=args.quantize, eos_token_id=eos, bos_token_id=tok.bos_token_id)
+                              quantize=args.quantize, eos_token_id=eos, bos_token_id=tok.bos_token_id,
+                              quantize_embedding=args.quantize_embedding)
         else:
             if args.quantize:
                 info("note: --quantize applies to .pte only; the .onnx stays fp32")
@@ -65,4 +68,7 @@ def register(subparsers) -> None:
                         "decode step, as ExecuTorch's stock runner does; half the lowering time")
     p.add_argument("--quantize", choices=["int8", "8da4w"], default=None,
                    help="int8: int8 weights per channel; 8da4w: int4 weights in groups of 32 (.pte only)")
+    p.add_argument("--quantize-embedding", action="store_true",
+                   help="with --quantize, store the embedding as int8 rows too: a quarter of its bytes, "
+                        "same speed, more logit drift")
     p.set_defaults(func=export_main)

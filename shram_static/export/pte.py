@@ -35,7 +35,7 @@ from ..step import StepModule
 from .partition import xnnpack_partitioner
 from .lowering import (drop_metadata_asserts, drop_provenance, faster_partitioning, needed_edge_passes_only,
                        needed_xnnpack_passes_only, shared_provenance, to_edge_and_lower)
-from .quantize import QUANTIZE_MODES, quantize_linears
+from .quantize import QUANTIZE_MODES, quantize_weights
 from .views import state_view_planning, written_cache_views_pass
 
 FORMAT = "shram_static.pte/1"
@@ -179,7 +179,8 @@ def program_ops(et_program, method: str) -> dict:
 
 
 def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, quantize: str | None = None,
-                  eos_token_id: int | None = None, bos_token_id: int | None = None):
+                  eos_token_id: int | None = None, bos_token_id: int | None = None, *,
+                  quantize_embedding: bool = False):
     """Exports and lowers the two steps; returns the `ExecutorchProgramManager` (not written).
 
     Args: as `export_pte`.
@@ -192,6 +193,10 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     cfg: ShramConfig = model.config
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
+    if not isinstance(quantize_embedding, bool):
+        raise ValueError(f"quantize_embedding must be a bool, got {quantize_embedding!r}")
+    if quantize_embedding and quantize is None:
+        raise ValueError("quantize_embedding applies with quantize='int8' or '8da4w'")
     eos_token_id = getattr(cfg, "eos_token_id", None) if eos_token_id is None else eos_token_id
     bos_token_id = getattr(cfg, "bos_token_id", None) if bos_token_id is None else bos_token_id
     check_export_args(cfg, batch_size, 1 if prefill_chunk is None else prefill_chunk, eos_token_id,
@@ -199,7 +204,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
     if quantize is not None:
-        model = quantize_linears(model, quantize)
+        model = quantize_weights(model, quantize, embedding=quantize_embedding)
     B, C = batch_size, 1 if prefill_chunk is None else prefill_chunk
     state = StaticState(cfg, B, C, dtype=dtype)
     step = StepModule(model, state).eval()
@@ -226,6 +231,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         drop_metadata_asserts(ep)
     meta = {
         "format": FORMAT, "batch_size": B, "prefill_chunk": C, "quantize": quantize,
+        "quantize_embedding": quantize_embedding,
         "dtype": str(dtype).replace("torch.", ""), "decode_method": decode_name,
         "prefill_method": None if prefill_chunk is None else "prefill", "state_names": state.names(),
         "eos_token_id": eos_token_id, "bos_token_id": bos_token_id,
@@ -271,7 +277,8 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
 
 
 def export_pte(model, path, batch_size: int = 1, prefill_chunk: int | None = 32, quantize: str | None = None,
-               eos_token_id: int | None = None, bos_token_id: int | None = None) -> str:
+               eos_token_id: int | None = None, bos_token_id: int | None = None, *,
+               quantize_embedding: bool = False) -> str:
     """Writes one ExecuTorch program (XNNPACK delegate, portable kernels for the rest).
 
     Args:
@@ -283,15 +290,19 @@ def export_pte(model, path, batch_size: int = 1, prefill_chunk: int | None = 32,
             only: the loaded decoder runs prompts token by token through the decode step).
         quantize: None (float weights), "int8" (dynamic int8 activations, int8 per-channel
             weights on every nn.Linear) or "8da4w" (int4 weights in groups of 32 where the input
-            width allows); see `shram_static.export.quantize.quantize_linears`.
+            width allows); see `shram_static.export.quantize.quantize_weights`.
         eos_token_id: stored as `get_eos_ids` (the stock runner stops on it) and used by the
             loaded decoder's `generate`; default the config's `eos_token_id`.
         bos_token_id: stored as `get_bos_id`; default the config's `bos_token_id`.
+        quantize_embedding: with `quantize`, also store the embedding table as int8 rows with
+            per-row scales: a quarter of its bytes, no effect on step time, more logit drift
+            (see `quantize_weights`). Needs `quantize`.
 
     Returns:
         The path written.
     """
-    et = lower_program(model, batch_size, prefill_chunk, quantize, eos_token_id, bos_token_id)
+    et = lower_program(model, batch_size, prefill_chunk, quantize, eos_token_id, bos_token_id,
+                       quantize_embedding=quantize_embedding)
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "wb") as f:

@@ -1,36 +1,88 @@
-"""Weight quantization of the exported step (ExecuTorch, XNNPACK): torchao source transforms
-applied to a copy of the model before `torch.export`."""
+"""Weight quantization of the exported step (ExecuTorch, XNNPACK): source transforms applied to a
+copy of the model before `torch.export`.
+
+The nn.Linear layers (lm_head included) are quantized by torchao, the embedding table as int8
+rows with one scale per row (`Int8Embedding`). The sparse path's expert blocks stay float: see
+`quantize_weights`.
+"""
 
 import copy
 
 import torch
 from torch import nn
 
+
 QUANTIZE_MODES = (None, "int8", "8da4w")
 GROUP = 32  # int4 group size: XNNPACK's blockwise int4 GEMM takes multiples of 32
 
 
-def quantize_linears(model: nn.Module, mode: str = "int8") -> nn.Module:
-    """Returns a copy of `model` whose nn.Linear layers (lm_head included) take dynamically
-    quantized int8 activations and quantized weights.
+def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization with one scale per row (last dim): w (..., b) -> q (..., b)
+    int8 and scale (..., 1) in w's dtype, w ~= q * scale. torchao's primitives, the ones its
+    per-axis int8 linear weights use."""
+    from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine, quantize_affine
+
+    block = (1,) * (w.dim() - 1) + (w.shape[-1],)
+    scale, zero = choose_qparams_affine(w, MappingType.SYMMETRIC, block, torch.int8, keepdim=True)
+    return quantize_affine(w, block, scale, zero, torch.int8), scale.to(w.dtype)
+
+
+class Int8Embedding(nn.Module):
+    """An embedding table stored as int8 rows with per-row scales; looks up like nn.Embedding.
+
+    WHY not torchao's weight-only config: its `dequantize_affine` has no out variant in the pip
+    ExecuTorch runtime, and the 8-bit embedding kernel ExecuTorch's llama export rewrites it to
+    (`quantized_decomposed::embedding_byte`) is not in that runtime either. A row gather of the
+    int8 table, a cast and a multiply are kernels it has (`index_select`, `_to_copy`, `mul`).
+
+    Args:
+        emb: the nn.Embedding whose weight it quantizes (not kept).
+    """
+
+    def __init__(self, emb: nn.Embedding):
+        super().__init__()
+        q, s = int8_rows(emb.weight.detach())
+        self.register_buffer("weight_q", q)  # (V, d) int8
+        self.register_buffer("scale", s)  # (V, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (...) int64 -> (..., d)."""
+        rows = ids.reshape(-1)
+        x = self.weight_q.index_select(0, rows).to(self.scale.dtype) * self.scale.index_select(0, rows)
+        return x.view(*ids.shape, -1)
+
+
+def quantize_weights(model: nn.Module, mode: str = "int8", embedding: bool = False) -> nn.Module:
+    """Returns a copy of `model` whose weights are quantized for the exported step.
 
     Modes:
-      * "int8" ("8da8w"): int8 weights, one scale per output channel. WHY this config: it is
+      * "int8" ("8da8w"): every nn.Linear (lm_head included) takes dynamically quantized int8
+        activations and int8 weights, one scale per output channel. WHY this config: it is
         the flow executorch 1.4.1's own LLM export uses, and XNNPACK lowers it to QD8 GEMMs
         (probe: 0.37x file size, 5x faster linears). Weight-only int8 (`IntxWeightOnlyConfig`)
         lowered to a program that returned NaN with fp32-sized weights.
-      * "8da4w": int4 weights with one scale per group of 32 inputs (what optimum-executorch
-        ships for edge LLMs on XNNPACK); a layer whose input width is not a multiple of 32
-        (e.g. the bench config's 1366-wide down_proj) keeps "int8" weights, because XNNPACK
-        delegates only group sizes that are multiples of 32.
-    Not quantized: the embedding (8-bit embeddings need `quantized_decomposed::embedding_byte`,
-    which the pip runtime lacks) and the sparse path's per-expert matrices (L, d, u), which are
-    gathered per token, not nn.Linear (a decode step reads only K of the L experts: 1/4 of 2 MB
-    per layer in the bench config, against 19 MB of nn.Linear weights).
+      * "8da4w": as "int8" but int4 linear weights with one scale per group of 32 inputs (what
+        optimum-executorch ships for edge LLMs on XNNPACK); a layer whose input width is not a
+        multiple of 32 (e.g. the bench config's 1366-wide down_proj) keeps int8 weights,
+        because XNNPACK delegates only group sizes that are multiples of 32.
+    A tied lm_head gets its own quantized copy of the table (int8 rows cannot feed XNNPACK's
+    linear kernel, and a float head would be the largest weight a quantized step reads).
+
+    Not quantized: the sparse path's per-expert blocks (L, 3u, d) and (L, u, d). Stored as int8
+    rows they made the bench model's int8 decode step 1.5x slower (8.5 against 5.6 ms): the
+    gathered rows are widened to float by a portable `_to_dim_order_copy` (11% of all samples in
+    `perf`), as XNNPACK's partitioner takes no int8 -> float conversion, and a step reads only K
+    of the L experts (a quarter of 2 MB per layer in the bench config).
 
     Args:
         model: a `ShramForCausalLM` (left untouched).
         mode: "int8" or "8da4w".
+        embedding: also store the embedding as int8 rows (`Int8Embedding`): a quarter of the
+            table's bytes (the bench model's int8 file 203 -> 126 MB) at no measured step cost.
+            Off by default (as in ExecuTorch's and optimum-executorch's LLM exports, where
+            embedding quantization is its own option): it moves the first layer's routing
+            input, and on the random-weight golden models that flips expert choices, adding
+            far more logit drift than the linears (export/probes/probe_quant_drift.py).
 
     Returns:
         The quantized copy.
@@ -41,8 +93,13 @@ def quantize_linears(model: nn.Module, mode: str = "int8") -> nn.Module:
     if mode not in QUANTIZE_MODES[1:]:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {mode!r}")
     q = copy.deepcopy(model).eval()
-    # The model computes every projection and the logits with nn.Linear / F.linear, which a
-    # torchao quantized weight implements (it has no `aten.t`: `x @ W.t()` would fail here).
+    if q.lm_head is None:  # tied: the head gets its own nn.Linear, quantized below
+        q.lm_head = nn.Linear(q.config.embedding_width, q.config.vocab_size, bias=False)
+        q.lm_head.weight = nn.Parameter(q.embed_tokens.weight.detach().clone(), requires_grad=False)
+    if embedding:
+        q.embed_tokens = Int8Embedding(q.embed_tokens)
+    # The model computes every projection and the logits with nn.Linear, which a torchao
+    # quantized weight implements (it has no `aten.t`: `x @ W.t()` would fail here).
     plain = lambda m, fqn: isinstance(m, nn.Linear) and type(m.weight) is nn.Parameter  # noqa: E731
     if mode == "8da4w":
         quantize_(q, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(GROUP)),
