@@ -85,6 +85,15 @@ class BEA(nn.Module):
         return tuple(torch.einsum("bcd,bckdu->bcku", h, gather_experts(w, idx))
                      for w in (self.q_proj, self.k_proj, self.v_proj))
 
+    def project_all(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of every expert (the uncached forward's dense sparse path): h (B, N, d) ->
+        3 x (B, L, N, u)."""
+        return tuple(torch.einsum("bnd,ldu->blnu", h, w) for w in (self.q_proj, self.k_proj, self.v_proj))
+
+    def output_all(self, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Every expert's outputs y (B, L, N, u) mixed by w (B, N, L) -> (B, N, d)."""
+        return torch.einsum("blnu,lud,bnl->bnd", y, self.o_proj, w)
+
     def output(self, y: torch.Tensor, P: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Selected experts' outputs y (B, C, K, u) mixed by P (B, C, K) -> (B, C, d)."""
         return mix_experts(self.o_proj, y, P, idx)

@@ -261,9 +261,7 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
         L = cfg.num_mosrah_heads
         sel = (idx[..., None] == torch.arange(L, device=h.device)).any(-2) & live[..., None]  # (B, N, L)
         w = (sel.to(h.dtype) * 0).scatter_add(-1, idx, P * live[..., None].to(P.dtype))  # (B, N, L)
-        q = torch.einsum("bnd,ldu->blnu", h, bea.q_proj)  # (B, L, N, u)
-        k = torch.einsum("bnd,ldu->blnu", h, bea.k_proj)
-        v = torch.einsum("bnd,ldu->blnu", h, bea.v_proj)
+        q, k, v = bea.project_all(h)  # (B, L, N, u)
         selT = sel.transpose(1, 2)  # (B, L, N)
         if cfg.rope_mode == "main_sequence":
             r = pos[:, None, :].expand_as(selT)
@@ -275,4 +273,4 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
         seen = mask.any(-1, keepdim=True).to(q.dtype)
         y = masked_attention(q, k, v, attention_bias(mask, q.dtype), self.rope.sparse_factor / math.sqrt(cfg.head_dim),
                              seen)
-        return torch.einsum("blnu,lud,bnl->bnd", y, bea.o_proj, w)
+        return bea.output_all(y, w)

@@ -10,6 +10,24 @@ from shram_static.export.pte import export_copy
 from shram_static.layers import BEA
 
 
+def loop_all_reference(bea, h, yl, w):
+    """Plain float64 loops over every expert: q/k/v (B, L, N, u) of each token, and
+    sum_l w_l y_l o_proj[l] (B, N, d) (the uncached forward's dense sparse path)."""
+    B, N, _ = h.shape
+    L, u = bea.q_proj.shape[0], bea.q_proj.shape[-1]
+    q, k, v = (torch.zeros(B, L, N, u, dtype=torch.float64) for _ in range(3))
+    out = torch.zeros(B, N, bea.o_proj.shape[-1], dtype=torch.float64)
+    for b in range(B):
+        for n in range(N):
+            x = h[b, n].double()
+            for e in range(L):
+                q[b, e, n] = x @ bea.q_proj[e].double()
+                k[b, e, n] = x @ bea.k_proj[e].double()
+                v[b, e, n] = x @ bea.v_proj[e].double()
+                out[b, n] += w[b, n, e].double() * (yl[b, e, n].double() @ bea.o_proj[e].double())
+    return (q, k, v), out
+
+
 def loop_reference(bea, h, idx, y, P):
     """Plain float64 loops: q/k/v of each (token, selected expert), and sum_k P_k y_k o_proj."""
     B, C, K = idx.shape
@@ -27,7 +45,7 @@ def loop_reference(bea, h, idx, y, P):
     return (q, k, v), out
 
 
-@pytest.mark.parametrize("B,C", [(1, 1), (3, 1), (2, 5)])
+@pytest.mark.parametrize("B,C", [(1, 1), (4, 1), (2, 5)])
 @torch.no_grad()
 def test_both_layouts_match_the_loop(B, C):
     model = random_model(8, num_mosrah_heads=8, num_selected_heads=2)
@@ -40,10 +58,16 @@ def test_both_layouts_match_the_loop(B, C):
     y = torch.randn(B, C, K, u, generator=gen)
     P = torch.rand(B, C, K, generator=gen)
     want_qkv, want_out = loop_reference(bea, h, idx, y, P)
+    yl = torch.randn(B, L, C, u, generator=gen)
+    w = torch.rand(B, C, L, generator=gen)
+    want_all, want_all_out = loop_all_reference(bea, h, yl, w)
     for layout in (bea, FusedExperts(bea)):
         for got, want in zip(layout.project(h, idx), want_qkv):
             torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(layout.output(y, P, idx).double(), want_out, atol=1e-5, rtol=1e-5)
+        for got, want in zip(layout.project_all(h), want_all):
+            torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layout.output_all(yl, w).double(), want_all_out, atol=1e-5, rtol=1e-5)
 
 
 def test_export_copy_fuses_its_own_copy_only():
@@ -54,6 +78,6 @@ def test_export_copy_fuses_its_own_copy_only():
     assert all(type(m.attention.sparse_attention.bea) is BEA for m in model.model.layers)
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
-    # the copy holds each expert weight once: the fused block replaces q/k/v, o_proj is kept
-    assert not any(n.endswith(("bea.q_proj", "bea.k_proj", "bea.v_proj")) for n, _ in copy.named_parameters())
+    # the copy holds each expert weight once: the fused linears replace the BEA's tensors
+    assert not any(n.endswith(("bea.q_proj", "bea.k_proj", "bea.v_proj", "bea.o_proj")) for n, _ in copy.named_parameters())
     assert fuse_experts_(copy) is copy  # idempotent: already fused layers are left alone

@@ -1,9 +1,9 @@
 """Weight quantization of the exported step (ExecuTorch, XNNPACK): source transforms applied to a
 copy of the model before `torch.export`.
 
-The nn.Linear layers (lm_head included) are quantized by torchao, the embedding table as int8
-rows with one scale per row (`Int8Embedding`). The sparse path's expert blocks stay float: see
-`quantize_weights`.
+The nn.Linear layers are quantized by torchao: every projection, the lm_head, and the sparse
+path's experts in the exported layout (`FusedExperts`: every expert as one linear each way).
+Optionally the embedding table as int8 rows with one scale per row (`Int8Embedding`).
 """
 
 import copy
@@ -11,6 +11,7 @@ import copy
 import torch
 from torch import nn
 
+from ..experts import fuse_experts_
 
 QUANTIZE_MODES = (None, "int8", "8da4w")
 GROUP = 32  # int4 group size: XNNPACK's blockwise int4 GEMM takes multiples of 32
@@ -53,7 +54,8 @@ class Int8Embedding(nn.Module):
 
 
 def quantize_weights(model: nn.Module, mode: str = "int8", embedding: bool = False) -> nn.Module:
-    """Returns a copy of `model` whose weights are quantized for the exported step.
+    """Returns a copy of `model` whose weights are quantized for the exported step (its experts
+    in the exported layout).
 
     Modes:
       * "int8" ("8da8w"): every nn.Linear (lm_head included) takes dynamically quantized int8
@@ -68,11 +70,11 @@ def quantize_weights(model: nn.Module, mode: str = "int8", embedding: bool = Fal
     A tied lm_head gets its own quantized copy of the table (int8 rows cannot feed XNNPACK's
     linear kernel, and a float head would be the largest weight a quantized step reads).
 
-    Not quantized: the sparse path's per-expert blocks (L, 3u, d) and (L, u, d). Stored as int8
-    rows they made the bench model's int8 decode step 1.5x slower (8.5 against 5.6 ms): the
-    gathered rows are widened to float by a portable `_to_dim_order_copy` (11% of all samples in
-    `perf`), as XNNPACK's partitioner takes no int8 -> float conversion, and a step reads only K
-    of the L experts (a quarter of 2 MB per layer in the bench config).
+    The experts are fused first (`fuse_experts_`, as the export copy is), so their two linears
+    are quantized too. (Kept float, the experts as int8 rows gathered per token made the bench
+    model's int8 step 1.5x slower, 8.5 against 5.6 ms: the rows were widened to float by a
+    portable `_to_dim_order_copy`, 11% of all samples in `perf`; see export/probes/README.md,
+    section 10.)
 
     Args:
         model: a `ShramForCausalLM` (left untouched).
@@ -92,7 +94,7 @@ def quantize_weights(model: nn.Module, mode: str = "int8", embedding: bool = Fal
 
     if mode not in QUANTIZE_MODES[1:]:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {mode!r}")
-    q = copy.deepcopy(model).eval()
+    q = fuse_experts_(copy.deepcopy(model).eval())  # the experts as the exported step reads them
     if q.lm_head is None:  # tied: the head gets its own nn.Linear, quantized below
         q.lm_head = nn.Linear(q.config.embedding_width, q.config.vocab_size, bias=False)
         q.lm_head.weight = nn.Parameter(q.embed_tokens.weight.detach().clone(), requires_grad=False)
