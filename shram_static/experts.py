@@ -37,13 +37,14 @@ class FusedExperts(nn.Module):
     """Expert weights in the exported step's layout: every expert as one linear layer each way,
     `qkv` (d -> L*3u: q, k, v of expert l at rows l*3u..) and `o` (L*u -> d).
 
-    Same interface as `BEA` (`project`, `output`, `project_all`, `output_all`). WHY every expert instead of the K selected:
-    gathering the selected experts' blocks is a portable copy per token of weights the step
+    Same interface as `BEA` (`project`, `output`, `project_all`, `output_all`). WHY every
+    expert instead of the K selected: gathering the selected experts' blocks is a portable copy per token of weights the step
     then reads again (at prefill, 32 tokens copied 12.5 MB per bench layer), while one linear
     over all L experts is a single weight read in an XNNPACK delegate, and a token's K results
-    are picked from its small output. Measured on the bench model's `.pte`: decode at batch 1
-    as fast as gathering (12.2 vs 12.3 ms, though it reads L/K times the expert bytes), prefill
-    1.28x faster; as nn.Linear layers, int8 export quantizes them like every other projection.
+    are picked from its small output. Measured on the bench model's `.pte` against gathering:
+    decode 10.9 vs 11.3 ms at batch 1 (though it reads L/K times the expert bytes), 16.5 vs
+    17.5 ms at batch 4, prefill 1.23x faster; int8 decode 5.2 vs 5.8 ms, as nn.Linear layers
+    are quantized like every other projection (export/probes/README.md, section 10).
 
     Args:
         bea: the `BEA` whose weights it takes (copied into the fused layout; not kept).
@@ -54,14 +55,15 @@ class FusedExperts(nn.Module):
         L, d, u = bea.q_proj.shape
         self.num_experts, self.head_dim = L, u
         qkv = torch.cat([bea.q_proj, bea.k_proj, bea.v_proj], dim=-1)  # (L, d, 3u)
-        self.qkv = nn.Linear(d, L * 3 * u, bias=False)
-        self.o = nn.Linear(L * u, d, bias=False)
+        like = dict(dtype=bea.q_proj.dtype, device=bea.q_proj.device)
+        self.qkv = nn.Linear(d, L * 3 * u, bias=False, **like)
+        self.o = nn.Linear(L * u, d, bias=False, **like)
         with torch.no_grad():
             self.qkv.weight.copy_(qkv.transpose(1, 2).reshape(L * 3 * u, d))  # row l*3u + j: (q|k|v)_l[:, j]
             self.o.weight.copy_(bea.o_proj.reshape(L * u, d).t())  # column l*u + j: o_proj[l, j]
         self.requires_grad_(False)
         # a constant, not an arange per call (each is a portable op in the exported step)
-        self.register_buffer("experts", torch.arange(L), persistent=False)
+        self.register_buffer("experts", torch.arange(L, device=like["device"]), persistent=False)
 
     def onehot(self, idx: torch.Tensor) -> torch.Tensor:
         """idx (B, C, K) -> (B, C, K, L) float: 1 at each selected expert."""
@@ -74,9 +76,19 @@ class FusedExperts(nn.Module):
         K, u, L = idx.shape[-1], self.head_dim, self.num_experts
         y = self.qkv(h).view(B * C, L, 3 * u)  # (BC, L, 3u) every expert
         # the selected rows as a one-hot batched matmul (in the delegate; a gather would need
-        # its index expanded to the row width, a portable copy)
+        # its index expanded to the row width, a portable copy). Exact: one 1 per row.
         y = torch.bmm(self.onehot(idx).view(B * C, K, L), y).view(B, C, K, 3, u)
         return y[..., 0, :], y[..., 1, :], y[..., 2, :]
+
+    def output(self, y: torch.Tensor, P: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """sum_k P_k y_k o_proj[idx_k]: y (B, C, K, u), P (B, C, K), idx (B, C, K) -> (B, C, d)."""
+        B, C, K, u = y.shape
+        L = self.num_experts
+        # each token's weighted outputs at its experts' rows (a one-hot batched matmul: 0 at
+        # the experts it did not select), then all experts' output projections as one linear
+        onehot = self.onehot(idx).view(B * C, K, L)
+        z = torch.bmm(onehot.transpose(1, 2), (y * P[..., None]).view(B * C, K, u))  # (BC, L, u)
+        return self.o(z.view(B, C, L * u))
 
     def project_all(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """See `BEA.project_all`."""
@@ -88,16 +100,6 @@ class FusedExperts(nn.Module):
         """See `BEA.output_all`."""
         B, L, N, u = y.shape
         return self.o((y * w.transpose(1, 2)[..., None]).transpose(1, 2).reshape(B, N, L * u))
-
-    def output(self, y: torch.Tensor, P: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """sum_k P_k y_k o_proj[idx_k]: y (B, C, K, u), P (B, C, K), idx (B, C, K) -> (B, C, d)."""
-        B, C, K, u = y.shape
-        L = self.num_experts
-        # each token's weighted outputs at its experts' rows (a one-hot batched matmul: 0 at
-        # the experts it did not select), then all experts' output projections as one linear
-        onehot = self.onehot(idx).view(B * C, K, L)
-        z = torch.bmm(onehot.transpose(1, 2), (y * P[..., None]).view(B * C, K, u))  # (BC, L, u)
-        return self.o(z.view(B, C, L * u))
 
 
 def fuse_experts_(model: nn.Module) -> nn.Module:

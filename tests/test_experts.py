@@ -81,3 +81,13 @@ def test_export_copy_fuses_its_own_copy_only():
     # the copy holds each expert weight once: the fused linears replace the BEA's tensors
     assert not any(n.endswith(("bea.q_proj", "bea.k_proj", "bea.v_proj", "bea.o_proj")) for n, _ in copy.named_parameters())
     assert fuse_experts_(copy) is copy  # idempotent: already fused layers are left alone
+
+
+def test_fused_layout_keeps_the_dtype():
+    """A bf16 model's fused experts stay bf16 (a float32 default would upcast the sparse path)."""
+    bea = random_model(10).model.layers[0].attention.sparse_attention.bea.to(torch.bfloat16)
+    fused = FusedExperts(bea)
+    assert {t.dtype for t in fused.parameters()} == {torch.bfloat16}
+    h = torch.randn(1, 2, bea.q_proj.shape[1], dtype=torch.bfloat16)
+    idx = torch.tensor([[[0, 1], [2, 3]]])
+    assert all(t.dtype == torch.bfloat16 for t in fused.project(h, idx))
