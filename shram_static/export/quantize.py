@@ -11,7 +11,7 @@ import copy
 import torch
 from torch import nn
 
-from ..experts import fuse_experts_
+from ..experts import FusedExperts, fuse_experts_
 
 QUANTIZE_MODES = (None, "int8", "8da4w")
 GROUP = 32  # int4 group size: XNNPACK's blockwise int4 GEMM takes multiples of 32
@@ -74,10 +74,9 @@ def quantize_weights(model: nn.Module, mode: str = "int8", embedding: bool = Fal
     linear kernel, and a float head would be the largest weight a quantized step reads).
 
     The experts are fused first (`fuse_experts_`, as the export copy is), so their two linears
-    are quantized too. (Kept float, the experts as int8 rows gathered per token made the bench
-    model's int8 step 1.5x slower, 8.5 against 5.6 ms: the rows were widened to float by a
-    portable `_to_dim_order_copy`, 11% of all samples in `perf`; see export/probes/README.md,
-    section 10.)
+    are quantized like the others. (Tried first: the experts gathered per token as int8 rows,
+    which made the bench model's int8 step 1.5x slower, 8.5 against 5.6 ms, as the rows were
+    widened to float by a portable `_to_dim_order_copy`; export/probes/README.md, section 10.)
 
     Args:
         model: a `ShramForCausalLM` (left untouched).
@@ -99,16 +98,17 @@ def quantize_weights(model: nn.Module, mode: str = "int8", embedding: bool = Fal
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {mode!r}")
     q = fuse_experts_(copy.deepcopy(model).eval())  # the experts as the exported step reads them
     if q.lm_head is None:  # tied: the head gets its own nn.Linear, quantized below
-        q.lm_head = nn.Linear(q.config.embedding_width, q.config.vocab_size, bias=False)
+        q.lm_head = nn.Linear(q.config.embedding_width, q.config.vocab_size, bias=False, device="meta")
         q.lm_head.weight = nn.Parameter(q.embed_tokens.weight.detach().clone(), requires_grad=False)
     if embedding:
         q.embed_tokens = Int8Embedding(q.embed_tokens)
     # The model computes every projection and the logits with nn.Linear, which a torchao
     # quantized weight implements (it has no `aten.t`: `x @ W.t()` would fail here).
     plain = lambda m, fqn: isinstance(m, nn.Linear) and type(m.weight) is nn.Parameter  # noqa: E731
+    experts = {id(lin) for m in q.modules() if isinstance(m, FusedExperts) for lin in (m.qkv, m.o)}
     if mode == "8da4w":
         quantize_(q, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(GROUP)),
-                  filter_fn=lambda m, fqn: plain(m, fqn) and m.in_features % GROUP == 0 and ".bea." not in fqn)
+                  filter_fn=lambda m, fqn: plain(m, fqn) and m.in_features % GROUP == 0 and id(m) not in experts)
     quantize_(q, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0)),
               filter_fn=plain)
     return q
