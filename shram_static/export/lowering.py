@@ -411,20 +411,10 @@ def to_edge_and_lower(programs: dict, partitioner, constant_methods: dict, compi
     # The XNNPACK partitioner logs a deprecation notice for to_edge + to_backend, advising the
     # stock call for its support filter; that filter is applied above, so the notice is dropped.
     log = logging.getLogger("executorch.backends.xnnpack.partition.xnnpack_partitioner")
-    quiet = _DropMessage("DEPRECATION WARNING")
+    quiet = lambda record: "DEPRECATION WARNING" not in record.getMessage()  # noqa: E731 (a callable filter)
     log.addFilter(quiet)
     try:
         return edge.to_backend(partitioner)
     finally:
         log.removeFilter(quiet)
 
-
-class _DropMessage(logging.Filter):
-    """Drops log records whose message contains `text`."""
-
-    def __init__(self, text: str):
-        super().__init__()
-        self.text = text
-
-    def filter(self, record) -> bool:
-        return self.text not in record.getMessage()
