@@ -15,17 +15,26 @@ from .step import StepModule
 FEW_ROWS = 8  # decode batches up to this size take RowLinear's W @ X^T form
 
 
+# Inductor option for a compiled decode step of 2..FEW_ROWS rows: store a value read by several
+# consumers (here: the n row reductions of each RowLinear) instead of recomputing it in each.
+# WHY: Inductor inlines a cheap producer such as the RMSNorm into every consumer, and Inductor's
+# C++ keeps libm's errno semantics (-fmath-errno), so the norm's rsqrt stays in the innermost
+# loop, once per row per 8 weights (the bench model's batch-4 lm_head kernel: 18.4 ms instead
+# of ~4). At one row the default fusion is as fast or faster (10.83 vs 11.22 ms, bench model).
+ROW_INPUTS_STORED = {"realize_reads_threshold": 1}
+
+
 class RowLinear(nn.Module):
     """`nn.Linear` (no bias) for the compiled decode step on CPU.
 
-    ONE row: an elementwise product reduced over the input width (accumulated in fp32), which
-    Inductor turns into a single pass over the row-major `weight` at near the machine's read
-    bandwidth (WHY: MKL's GEMV reached ~55% of it here, and a decode step is GEMVs: the bench
-    model's 85 linears took 8.9 ms this way vs 14.5 ms as mm).
-    Up to FEW_ROWS rows: `(W @ X^T)^T`. WHY: MKL's sgemm for X @ W^T with 4 rows re-reads W
-    per row (the bench model's 103 MB lm_head: 20.6 ms at 4 rows vs 8.2 ms at 1), while
-    W @ X^T streams W once (6.2 ms at 4 rows; 1366x512: 0.114 vs 0.207 ms; one thread of this
-    machine busy, `torch.mm` eager, same run). More rows (prefill) go to F.linear.
+    Up to FEW_ROWS rows: per row, an elementwise product reduced over the input width
+    (accumulated in fp32). Inductor fuses the n reductions into one pass over the row-major
+    `weight` with n accumulators, at near the machine's read bandwidth. WHY: MKL's GEMV reached
+    ~55% of it here, and a decode step is GEMVs (the bench model's 85 linears: 8.9 ms this way
+    vs 14.5 ms as mm at one row); at 4 rows MKL's sgemm re-reads W per row for X @ W^T, and
+    W @ X^T, which streams W once, still lost to the fused reductions (compiled, 8 weights
+    rotated: 50277x512 4.87 vs 4.16 ms, 1536x512 0.217 vs 0.159 ms; one row 3.53 / 0.115 ms).
+    More rows (prefill) go to F.linear.
 
     Args:
         weight: (out, in), shared with the module it replaces (never copied).
@@ -41,9 +50,10 @@ class RowLinear(nn.Module):
         n = x.numel() // x.shape[-1]  # rows
         if n > FEW_ROWS or not w.is_contiguous():
             return F.linear(x, w)
-        if n == 1:
-            return (x[..., None, :].float() * w.float()).sum(-1).to(x.dtype)  # (..., out)
-        return (w @ x.reshape(n, -1).T).T.reshape(*x.shape[:-1], w.shape[0])  # (..., out)
+        xs = x.reshape(n, -1).float()  # (n, in)
+        wf = w.float()
+        y = torch.stack([(xs[r] * wf).sum(-1) for r in range(n)])  # (n, out)
+        return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])  # (..., out)
 
 
 def shared_copy(model: nn.Module) -> nn.Module:
@@ -103,8 +113,10 @@ class StaticDecoder(HostDecoder):
         self.state = StaticState(model.config, batch_size, prefill_chunk, dtype=p.dtype, device=p.device)
         self.module = StepModule(self.model, self.state)
         self.decode_module = self.module
+        decode_options = None
         if compile and batch_size <= FEW_ROWS and p.device.type == "cpu":
             self.decode_module = StepModule(row_linear_(shared_copy(self.model)), self.state)
+            decode_options = ROW_INPUTS_STORED if batch_size > 1 else None
         self.compiled = compile
         self.skip_guards = skip_guards
         self._tensors: dict[str, list[torch.Tensor]] = {}  # step -> every weight and state tensor
@@ -112,7 +124,8 @@ class StaticDecoder(HostDecoder):
         if compile:
             # Two separate compiled functions (two code objects), so each step owns exactly
             # one graph and neither shape ever triggers a recompile of the other.
-            self.decode_step = torch.compile(self._decode_step, fullgraph=True, dynamic=False)
+            self.decode_step = torch.compile(self._decode_step, fullgraph=True, dynamic=False,
+                                             options=decode_options)
             self.prefill_step = torch.compile(self._prefill_step, fullgraph=True, dynamic=False)
         else:
             self.decode_step = self._decode_step

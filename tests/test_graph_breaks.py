@@ -42,7 +42,7 @@ def inputs(cfg, n, seed, start=0):
     return ids, torch.full((B,), start, dtype=torch.long), live
 
 
-@pytest.mark.parametrize("batch", [B, 1])  # RowLinear: a reduction at batch 1, W @ X^T at B
+@pytest.mark.parametrize("batch", [B, 1])  # batch > 1 compiles with ROW_INPUTS_STORED
 def test_decode_step_has_no_graph_breaks(model, batch):
     dec = StaticDecoder(model, batch_size=batch, prefill_chunk=C, compile=True)
     with torch.no_grad():
@@ -59,7 +59,7 @@ def test_prefill_step_has_no_graph_breaks(model):
     assert ex.graph_count == 1
 
 
-@pytest.mark.parametrize("B", [B, 1])  # RowLinear: a reduction at batch 1, W @ X^T at B
+@pytest.mark.parametrize("B", [B, 1])  # batch > 1 compiles with ROW_INPUTS_STORED
 def test_compiled_steps_never_recompile_and_match_eager(model, B):
     """Three prefill chunks and more than 2*window_size decode steps, all with fresh inputs of
     the same shapes, under fail_on_recompile; outputs equal eager at every step."""
@@ -71,7 +71,7 @@ def test_compiled_steps_never_recompile_and_match_eager(model, B):
     # below are what shows that skipping them is safe.
     comp = StaticDecoder(model, batch_size=B, prefill_chunk=C, compile=True, skip_guards=B == 1)
     if B == 1:
-        # Batch 1 differs from batch 2 in the decode step only (RowLinear's reduction form), so
+        # Batch 1 differs from batch 2 in the decode step only (its Inductor options), so
         # its prefill step runs eager: one cold Inductor compile (~25 s here) fewer in CI.
         comp.prefill_step = comp._prefill_step
     gen = torch.Generator().manual_seed(1)

@@ -274,7 +274,7 @@ def test_steps_get_canonical_contiguous_inputs(monkeypatch):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_row_linear_equals_linear(dtype, tol):
     """The compiled decode's projection, eager and compiled, against a float64 product: one row
-    (a reduction) and a few rows (W @ X^T); more rows or a non-contiguous weight take F.linear."""
+    and four rows (one fused reduction per row); more rows or a non-contiguous weight take F.linear."""
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(300, 96, generator=gen).to(dtype)
     x = torch.randn(1, 1, 96, generator=gen).to(dtype)
