@@ -7,9 +7,13 @@ size and peak RSS, and each decode time as a ratio to compiled torch and to the 
 the bytes a decode step must read divided by the memory read bandwidth measured in the same run
 (this machine's bandwidth reading swings by 2x between runs, so only same-run ratios compare).
 
-Every measurement runs in a subprocess of its own, so its peak RSS and compile caches are its
-own; an exported backend is exported in one subprocess and run from the file in another, so
-its peak RSS is the runtime's, not the exporter's.
+Every backend runs in a subprocess of its own, so its peak RSS and compile caches are its own;
+an exported backend is exported in one subprocess and run from the file in another, so its peak
+RSS is the runtime's, not the exporter's. The runtimes are loaded one after another and then
+measured interleaved: at each context every backend runs in turn, `--rounds` times, so the
+ratios compare measurements taken minutes apart at most (the machine's speed drifts by tens of
+percent within minutes), and the bandwidth behind the floor is read between those rounds.
+All the runtimes of one run are held in memory at once (idle ones wait on their stdin).
 """
 
 import argparse
@@ -49,16 +53,17 @@ def build_model(name: str):
     raise ValueError(f"unknown model {name!r}: use 'bench', 'builtin' or a checkpoint directory")
 
 
-def measure_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
-    """Best-of-`reps` read bandwidth in bytes/s of `torch.sum` over a buffer larger than cache."""
-    x = torch.ones(int(gib * 2**30) // 4)
+def measure_bandwidth(x: torch.Tensor | None = None, reps: int = 5) -> float:
+    """Best-of-`reps` read bandwidth in bytes/s of `torch.sum` over `x` (default: a new 1 GiB
+    fp32 buffer, larger than any cache)."""
+    x = torch.ones(2**28) if x is None else x
     x.sum()
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
         x.sum()
         best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best
+    return x.numel() * x.element_size() / best
 
 
 def decode_read_bytes(model, batch_size: int, prefill_chunk: int) -> int:
@@ -122,47 +127,169 @@ def export_one(model_name: str, backend: str, batch_size: int, prefill_chunk: in
                 export_peak_rss_mib=peak_rss_mib())
 
 
-def run_one(model_name: str, backend: str, batch_size: int, prefill_chunk: int, steps: int,
-            out_dir: str | None = None) -> dict:
-    """Benchmarks one configuration in this process; returns a result dict."""
-    from .decoder import StaticDecoder
-    from .state import state_bytes
-    torch.manual_seed(0)
-    model = build_model(model_name)
-    cfg = model.config
-    B, S = batch_size, cfg.inference_sequence_length
-    t = time.perf_counter()
-    if backend in ("eager", "compiled"):
-        dec = StaticDecoder(model, batch_size=B, prefill_chunk=prefill_chunk, compile=backend == "compiled")
-    elif backend == "onnx":
-        from .export import load_onnx
-        dec = load_onnx(artifact_path(out_dir, backend))
-    else:
-        from .export import load_pte
-        dec = load_pte(artifact_path(out_dir, backend))
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
-    dec.prefill(ids[:, :prefill_chunk])  # the first calls compile (compiled backend)
-    dec.decode(ids[:, 0])
-    res = dict(model=model_name, backend=backend, batch=B, chunk=prefill_chunk,
-               warmup_s=round(time.perf_counter() - t, 2), read_bytes=decode_read_bytes(model, B, prefill_chunk),
-               state_bytes=state_bytes(cfg, B, prefill_chunk), points=[])
-    for ctx in contexts(S, steps):
-        dec.reset()
+class Runner:
+    """One loaded backend in this process: loads (compiling or reading the file) and warms up on
+    construction, then measures one context per `measure` call.
+
+    Args: as `bench`'s per-job options; `out_dir` holds the exported artifact, if any.
+    """
+
+    def __init__(self, model_name: str, backend: str, batch_size: int, prefill_chunk: int, steps: int,
+                 out_dir: str | None = None):
+        from .decoder import StaticDecoder
+        from .state import state_bytes
+        torch.manual_seed(0)
+        model = build_model(model_name)
+        cfg = model.config
+        B, S = batch_size, cfg.inference_sequence_length
         t = time.perf_counter()
-        dec.prefill(ids[:, :ctx])
-        tp = time.perf_counter() - t
+        if backend in ("eager", "compiled"):
+            dec = StaticDecoder(model, batch_size=B, prefill_chunk=prefill_chunk, compile=backend == "compiled")
+        elif backend == "onnx":
+            from .export import load_onnx
+            dec = load_onnx(artifact_path(out_dir, backend))
+        else:
+            from .export import load_pte
+            dec = load_pte(artifact_path(out_dir, backend))
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
+        dec.prefill(self.ids[:, :prefill_chunk])  # the first calls compile (compiled backend)
+        dec.decode(self.ids[:, 0])
+        self.dec, self.steps = dec, steps
+        self.info = dict(model=model_name, backend=backend, batch=B, chunk=prefill_chunk,
+                         warmup_s=round(time.perf_counter() - t, 2),
+                         read_bytes=decode_read_bytes(model, B, prefill_chunk),
+                         state_bytes=state_bytes(cfg, B, prefill_chunk), contexts=contexts(S, steps))
+
+    def measure(self, ctx: int) -> dict:
+        """Prefills `ctx` tokens per row, then times `steps` decode steps one by one.
+
+        Returns:
+            dict(prefill_s=seconds for the prompt, decode_s=[seconds per decode step]).
+        """
+        self.dec.reset()
+        t = time.perf_counter()
+        self.dec.prefill(self.ids[:, :ctx])
+        prefill_s = time.perf_counter() - t
         times = []
-        for i in range(steps):
+        for i in range(self.steps):
             t = time.perf_counter()
-            dec.decode(ids[:, ctx + i])
+            self.dec.decode(self.ids[:, ctx + i])
             times.append(time.perf_counter() - t)
-        times.sort()
-        med = times[len(times) // 2]
-        res["points"].append(dict(context=ctx, prefill_tok_s=round(B * ctx / tp, 1),
-                                  decode_ms=round(1e3 * med, 3), decode_tok_s=round(B / med, 1)))
-    res["peak_rss_mib"] = peak_rss_mib()
-    return res
+        return dict(prefill_s=prefill_s, decode_s=times)
+
+
+def serve(runner_args: list) -> None:
+    """Worker loop: builds a `Runner`, replies with its info, then answers one JSON request per
+    line on stdin ({"context": c} -> `measure(c)`; {"done": true} -> peak RSS, then exits).
+
+    WHY the protocol goes to a duplicate of stdout while fd 1 points at stderr: whatever the
+    libraries print (Python or C) must not interleave with the replies."""
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    runner = Runner(*runner_args)
+    proto.write(json.dumps(runner.info) + "\n")
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("done"):
+            proto.write(json.dumps(dict(peak_rss_mib=peak_rss_mib())) + "\n")
+            return
+        proto.write(json.dumps(runner.measure(req["context"])) + "\n")
+
+
+class Worker:
+    """The parent's handle on one `serve` subprocess (one model, backend and batch size).
+
+    Args:
+        args: the worker's command-line options (`--model ... --backend ...`).
+        label: names the worker in progress lines and errors.
+    """
+
+    def __init__(self, args: list[str], label: str):
+        self.label = label
+        self.err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: no deadlock on a full pipe
+        self.proc = subprocess.Popen([sys.executable, "-m", "shram_static.bench", "--worker", "serve", *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
+                                     text=True, bufsize=1)
+        self.info = self.reply()
+        self.contexts = self.info["contexts"]
+
+    def reply(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            self.err.seek(0)
+            raise RuntimeError(f"benchmark worker {self.label} failed (exit {self.proc.returncode}):\n"
+                               f"{self.err.read()[-3000:]}")
+        return json.loads(line)
+
+    def ask(self, req: dict) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return self.reply()
+
+    def measure(self, ctx: int) -> dict:
+        return self.ask(dict(context=ctx))
+
+    def finish(self) -> dict:
+        out = self.ask(dict(done=True))
+        self.proc.wait()
+        return out
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.err.close()
+
+
+def measure_interleaved(workers: list, rounds: int, bandwidth=None, progress=None) -> tuple[list[dict], list[float]]:
+    """Measures every worker at each of its contexts, `rounds` times, interleaved.
+
+    For each context index, each round runs every worker once in turn, so the backends compared
+    at a context are measured minutes apart at most, on a machine whose speed drifts (the
+    readings of one backend run minutes apart varied by 40% here). Each worker's decode time at
+    a context is the median of all its timed steps over the rounds; prefill, the median prefill.
+
+    Args:
+        workers: objects with `.contexts` (list of ints) and `.measure(ctx) -> dict(prefill_s,
+            decode_s)` (a `Worker`, or a fake in tests).
+        rounds: measurements per worker and context.
+        bandwidth: called once per round of each context (between the workers' turns);
+            its readings are returned, so the floor is measured in the same periods.
+        progress: called with a line of text after each round.
+
+    Returns:
+        (points per worker: [dict(context, prefill_tok_s, decode_ms, decode_tok_s)], readings).
+    """
+    points = [[] for _ in workers]
+    readings = []
+    depth = max(len(w.contexts) for w in workers)
+    for i in range(depth):
+        got = [dict(prefill=[], decode=[]) for _ in workers]
+        for r in range(rounds):
+            if bandwidth is not None:
+                readings.append(bandwidth())
+            for w, g in zip(workers, got):
+                if i < len(w.contexts):
+                    m = w.measure(w.contexts[i])
+                    g["prefill"].append(m["prefill_s"])
+                    g["decode"].extend(m["decode_s"])
+            if progress is not None:
+                progress(f"context index {i + 1}/{depth}, round {r + 1}/{rounds} done")
+        for w, g, pts in zip(workers, got, points):
+            if i < len(w.contexts):
+                ctx, B = w.contexts[i], w.info["batch"]
+                med, pre = _median(g["decode"]), _median(g["prefill"])
+                pts.append(dict(context=ctx, prefill_tok_s=round(B * ctx / pre, 1),
+                                decode_ms=round(1e3 * med, 3), decode_tok_s=round(B / med, 1)))
+    return points, readings
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
 
 
 def add_ratios(results: list[dict], bandwidth: float) -> None:
@@ -190,33 +317,48 @@ def bench(args) -> int:
     bad = [b for b in args.backends if b not in BACKENDS]
     if bad:
         raise ValueError(f"unknown backends {bad}: choose from {BACKENDS}")
-    bad = [m for m in args.models if m not in ("bench", "builtin") and not os.path.isdir(m)]
+    bad = [m for m in args.models if m not in ("bench", "builtin") and not os.path.isfile(os.path.join(m, "config.json"))]
     if bad:
-        raise ValueError(f"unknown models {bad}: use 'bench', 'builtin' or checkpoint directories")
+        raise ValueError(f"unknown models {bad}: use 'bench', 'builtin' or checkpoint directories "
+                         f"(with a config.json)")
     if any(b < 1 for b in args.batch_sizes) or args.steps < 1 or args.prefill_chunk < 1:
         raise ValueError("--batch-sizes, --steps and --prefill-chunk must be positive")
+    if args.rounds < 1:
+        raise ValueError("--rounds must be positive")
     jobs = [(m, be, b) for m in args.models for b in args.batch_sizes for be in args.backends]
-    bw = measure_bandwidth()
+    x = torch.ones(2**28)  # 1 GiB, held for the bandwidth readings between rounds
+    bandwidth = lambda: measure_bandwidth(x)  # noqa: E731
     print(f"memory read bandwidth (torch.sum over 1 GiB, {torch.get_num_threads()} threads): "
-          f"{bw / 1e9:.1f} GB/s", flush=True)
-    results = []
+          f"{bandwidth() / 1e9:.1f} GB/s", flush=True)
+    workers, results = [], []
     with tempfile.TemporaryDirectory(prefix="shram_bench_") as tmp:
-        for i, (m, be, b) in enumerate(jobs, 1):
-            common = ["--model", m, "--backend", be, "--batch-size", str(b),
-                      "--prefill-chunk", str(args.prefill_chunk), "--steps", str(args.steps)]
-            out_dir = os.path.join(tmp, f"{i}")
-            os.makedirs(out_dir)
-            t = time.perf_counter()
-            exported = {}
-            if be in EXPORTED:
-                info(f"[{i}/{len(jobs)}] exporting model={m} backend={be} batch={b} "
-                     f"(minutes for a large model) ...")
-                exported = _subprocess(["--worker", "export", "--out-dir", out_dir, *common])
-            info(f"[{i}/{len(jobs)}] running model={m} backend={be} batch={b} ...")
-            r = _subprocess(["--worker", "run", "--out-dir", out_dir, *common])
-            r.update(exported)
-            results.append(r)
-            info(f"  done in {time.perf_counter() - t:.0f} s")
+        opts = [["--model", m, "--backend", be, "--batch-size", str(b), "--prefill-chunk",
+                 str(args.prefill_chunk), "--steps", str(args.steps), "--out-dir", os.path.join(tmp, str(i))]
+                for i, (m, be, b) in enumerate(jobs)]
+        try:
+            for i, (m, be, b) in enumerate(jobs):
+                os.makedirs(os.path.join(tmp, str(i)))
+                results.append({})
+                if be in EXPORTED:
+                    info(f"[{i + 1}/{len(jobs)}] exporting model={m} backend={be} batch={b} "
+                         f"(minutes for a large model) ...")
+                    results[i] = _subprocess(["--worker", "export", *opts[i]])
+            # One worker per job, loaded one after another (warm-up times without contention),
+            # then idle (blocked on its stdin) while the others run.
+            for i, (m, be, b) in enumerate(jobs):
+                info(f"[{i + 1}/{len(jobs)}] loading model={m} backend={be} batch={b} ...")
+                workers.append(Worker(opts[i], f"{m}/{be}/B={b}"))
+                info(f"  ready in {workers[-1].info['warmup_s']:.0f} s")
+            info(f"measuring {len(workers)} backends interleaved, {args.rounds} rounds per context ...")
+            points, readings = measure_interleaved(workers, args.rounds, bandwidth, info)
+            for w, r, pts in zip(workers, results, points):
+                r.update({k: v for k, v in w.info.items() if k != "contexts"}, points=pts, **w.finish())
+        finally:
+            for w in workers:
+                w.kill()
+    bw = _median(readings)
+    print(f"memory read bandwidth, median of {len(readings)} readings between rounds: {bw / 1e9:.1f} GB/s "
+          f"(min {min(readings) / 1e9:.1f}, max {max(readings) / 1e9:.1f})", flush=True)
     add_ratios(results, bw)
     for r in results:
         print(format_row(r), flush=True)
@@ -275,7 +417,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", nargs="+", default=["eager", "compiled"], choices=BACKENDS)
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4])
     p.add_argument("--prefill-chunk", type=int, default=32)
-    p.add_argument("--steps", type=int, default=32, help="timed decode steps per context")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per context and round")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="measurements per backend and context, interleaved across backends")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--plot", metavar="FILE.png", help="plot decode ms/step against context")
 
@@ -291,7 +435,7 @@ def register(subparsers) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m shram_static.bench", description=__doc__)
     add_arguments(p)
-    p.add_argument("--worker", choices=["export", "run"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["export", "serve"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--backend", help=argparse.SUPPRESS)
     p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
@@ -300,9 +444,8 @@ def main(argv=None) -> int:
     if args.worker == "export":
         print(json.dumps(export_one(args.model, args.backend, args.batch_size, args.prefill_chunk, args.out_dir)))
         return 0
-    if args.worker == "run":
-        print(json.dumps(run_one(args.model, args.backend, args.batch_size, args.prefill_chunk, args.steps,
-                                 args.out_dir)))
+    if args.worker == "serve":
+        serve([args.model, args.backend, args.batch_size, args.prefill_chunk, args.steps, args.out_dir])
         return 0
     return bench(args)
 

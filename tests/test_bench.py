@@ -8,7 +8,7 @@ import sys
 
 from helpers import TINY_CONFIG, randomize_
 from shram_static import ShramConfig, ShramForCausalLM
-from shram_static.bench import add_ratios, contexts
+from shram_static.bench import add_ratios, contexts, measure_interleaved
 
 
 def _result(backend, ms, model="m", batch=1, read_bytes=2_000_000):
@@ -26,6 +26,33 @@ def test_ratios_are_against_the_same_model_batch_and_context():
     assert [p["x_compiled"] for p in rs[2]["points"]] == [None, None]  # no compiled run at B=4
 
 
+class _Fake:
+    """Records every measure call in a shared log; decode times are given per call."""
+
+    def __init__(self, name, contexts, batch, log, times):
+        self.name, self.contexts, self.info, self.log, self.times = name, contexts, dict(batch=batch), log, times
+
+    def measure(self, ctx):
+        self.log.append((self.name, ctx))
+        return dict(prefill_s=ctx / 100, decode_s=self.times.pop(0))
+
+
+def test_measurements_interleave_backends_round_by_round():
+    """At each context every backend runs once per round, in turn; the decode figure is the
+    median over all rounds' steps, prefill the median prefill."""
+    log, reads = [], []
+    a = _Fake("a", [64, 128], 1, log, [[0.010, 0.012], [0.011, 0.013], [0.020], [0.030], [0.040], [0.050]])
+    b = _Fake("b", [64], 4, log, [[0.001], [0.002], [0.003], [0.004], [0.005]])
+    points, readings = measure_interleaved([a, b], rounds=2, bandwidth=lambda: reads.append(1) or 5e9)
+    assert log == [("a", 64), ("b", 64), ("a", 64), ("b", 64), ("a", 128), ("a", 128)]
+    assert readings == [5e9] * 4 and len(reads) == 4  # one reading per round of each context
+    assert [p["context"] for p in points[0]] == [64, 128] and [p["context"] for p in points[1]] == [64]
+    assert points[0][0]["decode_ms"] == 12.0  # median of 10, 12, 11, 13 ms (upper middle)
+    assert points[0][1]["decode_ms"] == 30.0  # median of 20, 30
+    assert points[1][0]["decode_ms"] == 2.0 and points[1][0]["decode_tok_s"] == 2000.0  # B=4 rows
+    assert points[0][0]["prefill_tok_s"] == 100.0 and points[1][0]["prefill_tok_s"] == 400.0
+
+
 def test_contexts_span_to_near_capacity():
     assert contexts(1024, 32) == [64, 256, 512, 768, 991]
     assert contexts(100, 8) == [25, 50, 64, 75, 91]
@@ -38,7 +65,7 @@ def test_bench_command_writes_json_and_plot(tmp_path):
     randomize_(ShramForCausalLM(cfg), 0).save_pretrained(ckpt)
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     p = subprocess.run([sys.executable, "-m", "shram_static", "bench", "--models", str(ckpt),
-                        "--backends", "eager", "--batch-sizes", "1", "2", "--steps", "2",
+                        "--backends", "eager", "--batch-sizes", "1", "2", "--steps", "2", "--rounds", "2",
                         "--prefill-chunk", "8", "--json", str(out), "--plot", str(png)],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -54,6 +81,9 @@ def test_bench_command_writes_json_and_plot(tmp_path):
     assert "eager B=1" in p.stdout and "eager B=2" in p.stdout
 
 
-def test_bench_rejects_an_unknown_model(capsys):
+def test_bench_rejects_an_unknown_model(capsys, tmp_path):
     from shram_static.cli import main
     assert main(["bench", "--models", "no_such_model", "--backends", "eager"]) == 2
+    assert main(["bench", "--models", str(tmp_path), "--backends", "eager"]) == 2  # no config.json
+    assert "config.json" in capsys.readouterr().err
+    assert main(["bench", "--models", "bench", "--backends", "eager", "--rounds", "0"]) == 2
