@@ -153,7 +153,7 @@ class ShramCache(Cache):
         raise ValueError("a ShramCache has a fixed batch size; build one with the batch size you need")
 
     # -- running the static step --------------------------------------------------------
-    def run(self, model, ids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    def run(self, model, ids: torch.Tensor, live: torch.Tensor, keep: int = 0) -> torch.Tensor:
         """Appends N columns to every row and returns their logits.
 
         N = 1 is one decode step; longer inputs run as ceil(N / C) prefill steps of exactly C
@@ -165,9 +165,10 @@ class ShramCache(Cache):
             model: the `ShramForCausalLM` whose dtype and device this cache has.
             ids: (B, N) int64 token ids.
             live: (B, N) bool, False at dead (padding) columns.
+            keep: 0, or return only the last `keep` columns' logits (chunks before them keep none).
 
         Returns:
-            (B, N, V) logits (unspecified at dead columns).
+            (B, N or keep, V) logits (unspecified at dead columns).
         """
         B, N = ids.shape
         if N == 1:
@@ -176,16 +177,23 @@ class ShramCache(Cache):
             C = self.prefill_chunk
             pad = (-N) % C
             ids, live = F.pad(ids, (0, pad)), F.pad(live, (0, pad))
+            first = 0 if not keep else max(N - keep, 0) // C * C  # first chunk whose logits are kept
             chunks = []
             for c0 in range(0, N + pad, C):
                 lc = live[:, c0:c0 + C]
                 if not torch.compiler.is_compiling() and not bool(lc.any()):
                     # A chunk of padding only is a no-op: skip its compute (eager only, as the
                     # check reads a value back to the host).
-                    chunks.append(torch.zeros(B, C, model.config.vocab_size, dtype=self.dtype, device=self.device))
+                    if c0 >= first:
+                        chunks.append(torch.zeros(B, C, model.config.vocab_size, dtype=self.dtype,
+                                                  device=self.device))
                     continue
-                chunks.append(self._step(model, ids[:, c0:c0 + C], lc))
-            logits = torch.cat(chunks, dim=1)[:, :N]
+                lg = self._step(model, ids[:, c0:c0 + C], lc)
+                if c0 >= first:
+                    chunks.append(lg)
+            logits = torch.cat(chunks, dim=1)[:, :N - first]
+        if keep:
+            logits = logits[:, -keep:]
         self.columns.add_(N)
         return logits
 

@@ -60,38 +60,53 @@ class HostDecoder:
         self._count.zero_()
         self._reset_state()
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                last_only: bool = False) -> torch.Tensor:
         """Appends tokens to every row and returns their logits.
 
         Args:
             input_ids: (B, N) token ids, any N >= 1 within capacity; run as ceil(N / C)
                 fixed-size chunks, the last padded with dead tokens.
             attention_mask: (B, N) 1 live / 0 dead (dead tokens are no-ops). Default all live.
+            last_only: return only each row's logits at its last live token, what generation
+                needs (like transformers' `logits_to_keep=1`): the full (B, N, V) tensor of a
+                2000-token prompt at batch 4 with a 50k vocabulary is 1.6 GB.
 
         Returns:
-            (B, N, V) float logits (unspecified at dead positions).
+            (B, N, V) float logits (unspecified at dead positions), or (B, V) with `last_only`
+            (unspecified for a row without a live token).
 
         Raises:
             TypeError, ValueError, CapacityError before running anything (state unchanged).
         """
+        if not isinstance(last_only, bool):
+            raise TypeError(f"last_only must be a bool, got {type(last_only).__name__}")
         ids, live = self._check_prompt(input_ids, attention_mask)
         self._check_capacity(live.long().sum(1))
         B, N = ids.shape
-        C = self.prefill_chunk
+        C, V = self.prefill_chunk, self.config.vocab_size
         pad = (-N) % C
         ids = torch.nn.functional.pad(ids, (0, pad))
         live = torch.nn.functional.pad(live, (0, pad))
         pos = self._count.clone()
         out = []
+        last = torch.zeros(B, V)  # (B, V) logits at each row's last live token so far
+        rows = torch.arange(B)
         for c0 in range(0, N + pad, C):
             lc = live[:, c0:c0 + C]
             if not bool(lc.any()):  # a chunk of padding only changes nothing
-                out.append(torch.zeros(B, C, self.config.vocab_size))
+                if not last_only:
+                    out.append(torch.zeros(B, C, V))
                 continue
-            out.append(self._call(ids[:, c0:c0 + C], pos, lc).float().cpu())
+            lg = self._call(ids[:, c0:c0 + C], pos, lc).float().cpu()  # (B, C, V)
+            if last_only:
+                at = (torch.arange(C) * lc).argmax(1)  # last live token of each row in this chunk
+                last = torch.where(lc.any(1)[:, None], lg[rows, at], last)
+            else:
+                out.append(lg)
             pos += lc.long().sum(1)
             self._count = pos.clone()
-        return torch.cat(out, dim=1)[:, :N]
+        return last if last_only else torch.cat(out, dim=1)[:, :N]
 
     def decode(self, ids: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
         """Feeds one token per row.
@@ -164,9 +179,7 @@ class HostDecoder:
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
 
         self.reset()
-        logits = self.prefill(ids, live)
-        last = (torch.arange(ids.shape[1]) * live).argmax(1)  # last live position per row
-        logits = logits[torch.arange(self.batch_size), last]  # (B, V)
+        logits = self.prefill(ids, live, last_only=True)  # (B, V)
         out = torch.full((self.batch_size, max_new_tokens), pad, dtype=torch.long)
         done = torch.zeros(self.batch_size, dtype=torch.bool)
         if streamer is not None:

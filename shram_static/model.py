@@ -148,7 +148,8 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
     # -- forward: uncached over whole sequences, or cached on a ShramCache --------------
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 output_routing: bool = False, cache: ShramCache | None = None,
-                use_cache: bool | None = None, return_dict: bool | None = None) -> CausalLMOutput:
+                use_cache: bool | None = None, return_dict: bool | None = None,
+                logits_to_keep: int = 0) -> CausalLMOutput:
         """Full uncached forward over a batch of token streams, or the next columns of a cache.
 
         Args:
@@ -160,9 +161,13 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
                 fixed-size prefill chunks). None: the uncached forward.
             use_cache, return_dict: accepted for transformers' generate(); the output is
                 always a `CausalLMOutput`.
+            logits_to_keep: 0 keeps the logits of every column; k > 0 only those of the last k
+                columns, as in transformers (generate() passes 1 for the prompt, whose full
+                (B, N, V) logits would be N times larger than what it reads). With a cache, only
+                the prefill chunks that hold those columns keep logits.
 
         Returns:
-            CausalLMOutput with logits (B, N, V) (unspecified at dead positions), the cache
+            CausalLMOutput with logits (B, N or k, V) (unspecified at dead positions), the cache
             when one was given and, when asked, selected_heads (layers, B, N, K), -1 at dead
             positions.
 
@@ -170,14 +175,16 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
             TypeError, ValueError, CapacityError (cached: a row would pass the capacity),
             before anything runs.
         """
+        if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be an int >= 0 (0: every column), got {logits_to_keep!r}")
         if cache is not None:
-            return self._cached_forward(input_ids, attention_mask, output_routing, cache)
+            return self._cached_forward(input_ids, attention_mask, output_routing, cache, logits_to_keep)
         self._check_input(input_ids)
         live = check_mask(attention_mask, input_ids.shape)
         if live is None:
             live = torch.ones_like(input_ids, dtype=torch.bool)
         live = live.to(input_ids.device)
-        return self._forward(input_ids.long(), live, output_routing)
+        return self._forward(input_ids.long(), live, output_routing, logits_to_keep)
 
     def _check_input(self, input_ids) -> None:
         if not isinstance(input_ids, torch.Tensor):
@@ -188,7 +195,7 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
                              + ("; add a batch dimension with input_ids[None]" if input_ids.dim() == 1 else ""))
         check_input_ids(input_ids, self.config.vocab_size)
 
-    def _cached_forward(self, input_ids, attention_mask, output_routing, cache) -> CausalLMOutput:
+    def _cached_forward(self, input_ids, attention_mask, output_routing, cache, keep) -> CausalLMOutput:
         if not torch.compiler.is_compiling():
             # Eager calls are validated before the state changes. Inside the compiled decode
             # forward (generate() feeds its own tokens) the checks would read values back to
@@ -199,7 +206,7 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
         else:
             live = attention_mask.to(torch.bool)
         with torch.no_grad():  # the state is written in place: keep it out of any autograd graph
-            logits = cache.run(self, input_ids.long(), live)
+            logits = cache.run(self, input_ids.long(), live, keep)
         return CausalLMOutput(logits=logits, cache=cache)
 
     def _check_cache_call(self, input_ids, attention_mask, output_routing, cache) -> None:
@@ -221,7 +228,7 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
                                 f"{int(total.max())} live tokens, more than the cache's capacity of "
                                 f"{cache.capacity} (inference_sequence_length)")
 
-    def _forward(self, ids: torch.Tensor, live: torch.Tensor, output_routing: bool) -> CausalLMOutput:
+    def _forward(self, ids: torch.Tensor, live: torch.Tensor, output_routing: bool, keep: int = 0) -> CausalLMOutput:
         cfg = self.config
         B, N = ids.shape
         pos = (live.long().cumsum(1) - 1).clamp(min=0)  # (B, N) position of each live token
@@ -248,7 +255,7 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
                 routing.append(torch.where(live[..., None], idx, -1))
                 return y + self._mosrah_dense(sa.bea, h, live, pos, idx, P, tri)
             x = layer(x, attn)
-        return CausalLMOutput(logits=self.logits(x),
+        return CausalLMOutput(logits=self.logits(x[:, -keep:] if keep else x),
                               selected_heads=torch.stack(routing) if output_routing else None)
 
     def _mosrah_dense(self, bea, h, live, pos, idx, P, tri) -> torch.Tensor:

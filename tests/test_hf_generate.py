@@ -186,6 +186,34 @@ def test_cached_forward_matches_uncached_logits():
     torch.testing.assert_close(got[live], ref[live], atol=1e-4, rtol=1e-4)
 
 
+def test_logits_to_keep_keeps_the_last_columns(monkeypatch):
+    """transformers' `logits_to_keep`: uncached and cached (chunks before the kept columns keep
+    none) equal the full forward's last k columns; generate() asks for 1 on the prompt; a bad
+    value raises before the cache changes."""
+    model = random_model(18)
+    ids = random_ids(model.config, 2, 11, seed=9)
+    full = model(ids).logits
+    for k in (1, 3, 5, 8, 11, 20):
+        want = full[:, -k:]
+        torch.testing.assert_close(model(ids, logits_to_keep=k).logits, want, atol=1e-5, rtol=1e-5)
+        cache = ShramCache(model.config, 2, prefill_chunk=4)
+        got = model(ids, cache=cache, logits_to_keep=k).logits
+        assert got.shape == want.shape, k
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert cache.live_counts.tolist() == [11, 11]
+    snap = _snapshot(cache)
+    for bad in (-1, True, 1.0):
+        with pytest.raises(ValueError, match="logits_to_keep"):
+            model(ids[:, :1], cache=cache, logits_to_keep=bad)
+    assert _unchanged(cache, snap)
+    seen = []
+    run = ShramCache.run
+    monkeypatch.setattr(ShramCache, "run", lambda self, m, i, live, keep=0: seen.append((i.shape[1], keep))
+                        or run(self, m, i, live, keep))
+    model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert seen == [(11, 1), (1, 1), (1, 1)]
+
+
 def _snapshot(cache):
     return [t.clone() for t in cache.state.tensors()] + [cache.live_counts.clone(), cache.columns.clone()]
 

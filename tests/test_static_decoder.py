@@ -102,6 +102,25 @@ def test_random_chunking_invariance(seed):
     assert_matches(logits, routing, ref.logits, ref.selected_heads, mask)
 
 
+def test_prefill_last_only_is_each_rows_last_live_token():
+    """`last_only` (what generate uses) returns the uncached forward's logits at each row's last
+    live token, also when that token lies chunks before the end (right padding) or a later
+    chunk is all dead; the state it leaves is the same as a full prefill's."""
+    cfg = random_config(7, training_sequence_length=48)
+    model = randomize_(ShramForCausalLM(cfg), 7)
+    ids, mask = random_batch(cfg, 3, 19, 7, pad_left=(0, 2, 5), holes=((0, 18), (1, 9)))
+    mask[2, 9:] = False  # row 2 ends 10 tokens early: its last live token is in chunk 3 of 5
+    ref = model(ids, mask).logits
+    want = torch.stack([ref[b, int(torch.nonzero(mask[b])[-1])] for b in range(3)])
+    full, last = StaticDecoder(model, batch_size=3, prefill_chunk=4), StaticDecoder(model, batch_size=3, prefill_chunk=4)
+    got = last.prefill(ids, mask, last_only=True)
+    assert got.shape == (3, cfg.vocab_size)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    full.prefill(ids, mask)
+    tok = torch.tensor([1, 2, 3])
+    torch.testing.assert_close(last.decode(tok), full.decode(tok), atol=0, rtol=0)
+
+
 def test_rows_going_dead_mid_generation():
     """A row made inactive for some decode steps changes nothing; when it resumes its logits are
     those of the uncached forward over its live tokens only."""
@@ -184,6 +203,7 @@ BAD_CALLS = {
                                                      torch.tensor([[1, 1, 1], [0, 0, 0]])), ValueError, "live prompt token"),
     "generate_too_long": (lambda d, V: d.generate(torch.zeros(2, 20, dtype=torch.long), max_new_tokens=6), CapacityError, "capacity"),
     "not_a_tensor": (lambda d, V: d.prefill([[1, 2]]), TypeError, "torch.Tensor"),
+    "last_only_not_bool": (lambda d, V: d.prefill(torch.zeros(2, 3, dtype=torch.long), last_only=1), TypeError, "last_only"),
 }
 
 
