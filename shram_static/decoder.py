@@ -155,7 +155,17 @@ class StaticDecoder(HostDecoder):
             self._checked[key] = ptrs
             return out
         with _guards_skipped():
-            return fn(*args)
+            try:
+                return fn(*args)
+            except RuntimeError as e:
+                # WHY: after torch._dynamo.reset() (or any loss of the compiled step) Dynamo
+                # refuses to compile under the skipping stance; it raises before the frame runs,
+                # so nothing changed, and a call with the guards checked compiles the step again.
+                if "skip_guard_eval_unsafe" not in str(e):
+                    raise
+        out = fn(*args)
+        self._checked[key] = ptrs
+        return out
 
 
 def _guards_skipped():

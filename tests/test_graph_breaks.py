@@ -96,6 +96,9 @@ def test_compiled_steps_never_recompile_and_match_eager(model, B):
         torch.testing.assert_close(comp.prefill(ids, mask), eager.prefill(ids, mask), atol=1e-4, rtol=1e-4)
         if B == 1:
             check_guard_skipping(comp, eager, tok)
+    if B == 1:  # Dynamo's caches cleared under a decoder that skips guards: it compiles again
+        torch._dynamo.reset()
+        torch.testing.assert_close(comp.decode(tok), eager.decode(tok), atol=1e-4, rtol=1e-4)
     for a, b in zip(comp.state.tensors(), eager.state.tensors()):
         if a.dtype == torch.bool:
             assert torch.equal(a, b)
