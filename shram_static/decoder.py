@@ -94,7 +94,7 @@ class StaticDecoder(HostDecoder):
             calls skip them (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`) for as
             long as every weight and state tensor of the step is the one it was checked with
             (same storage; a dtype or device change replaces it, and the next call is checked
-            again). WHY: the decoder fixes every input's shape, dtype and strides itself, so
+            again, as after `torch._dynamo.reset()`). WHY: the decoder fixes every input's shape, dtype and strides itself, so
             ~1400 guards over the step's ~260 tensors can never fail between two calls, and
             checking them took ~1.1 ms of an ~11 ms bench-model decode step on this CPU.
             False: check the guards on every call (what `fail_on_recompile` tests need).
