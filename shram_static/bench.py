@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -281,15 +282,10 @@ def measure_interleaved(workers: list, rounds: int, bandwidth=None, progress=Non
         for w, g, pts in zip(workers, got, points):
             if i < len(w.contexts):
                 ctx, B = w.contexts[i], w.info["batch"]
-                med, pre = _median(g["decode"]), _median(g["prefill"])
+                med, pre = statistics.median_high(g["decode"]), statistics.median_high(g["prefill"])
                 pts.append(dict(context=ctx, prefill_tok_s=round(B * ctx / pre, 1),
                                 decode_ms=round(1e3 * med, 3), decode_tok_s=round(B / med, 1)))
     return points, readings
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
 
 
 def add_ratios(results: list[dict], bandwidth: float) -> None:
@@ -356,7 +352,7 @@ def bench(args) -> int:
         finally:
             for w in workers:
                 w.kill()
-    bw = _median(readings)
+    bw = statistics.median_high(readings)
     print(f"memory read bandwidth, median of {len(readings)} readings between rounds: {bw / 1e9:.1f} GB/s "
           f"(min {min(readings) / 1e9:.1f}, max {max(readings) / 1e9:.1f})", flush=True)
     add_ratios(results, bw)
