@@ -313,7 +313,8 @@ def bench(args) -> int:
     bad = [b for b in args.backends if b not in BACKENDS]
     if bad:
         raise ValueError(f"unknown backends {bad}: choose from {BACKENDS}")
-    bad = [m for m in args.models if m not in ("bench", "builtin") and not os.path.isfile(os.path.join(m, "config.json"))]
+    bad = [m for m in args.models
+           if m not in ("bench", "builtin") and not os.path.isfile(os.path.join(m, "config.json"))]
     if bad:
         raise ValueError(f"unknown models {bad}: use 'bench', 'builtin' or checkpoint directories "
                          f"(with a config.json)")

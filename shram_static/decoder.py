@@ -12,7 +12,7 @@ from .state import StaticState
 from .step import StepModule
 
 
-FEW_ROWS = 8  # decode batches up to this size take RowLinear's W @ X^T form
+FEW_ROWS = 8  # compiled decode batches up to this size run their projections as RowLinear
 
 
 # Inductor option for a compiled decode step of 2..FEW_ROWS rows: store a value read by several
@@ -94,9 +94,10 @@ class StaticDecoder(HostDecoder):
             calls skip them (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`) for as
             long as every weight and state tensor of the step is the one it was checked with
             (same storage; a dtype or device change replaces it, and the next call is checked
-            again, as after `torch._dynamo.reset()`). WHY: the decoder fixes every input's shape, dtype and strides itself, so
-            ~1400 guards over the step's ~260 tensors can never fail between two calls, and
-            checking them took ~1.1 ms of an ~11 ms bench-model decode step on this CPU.
+            again, as after `torch._dynamo.reset()`). WHY: the decoder fixes every input's
+            shape, dtype and strides itself, so ~1400 guards over the step's ~260 tensors can
+            never fail between two calls, and checking them took ~1.1 ms of an ~11 ms
+            bench-model decode step on this CPU.
             False: check the guards on every call (what `fail_on_recompile` tests need).
 
     The decode step is `decode_step(tokens (B, 1), input_pos (B,), live (B, 1))`, the prefill

@@ -38,8 +38,9 @@ class FusedExperts(nn.Module):
     `qkv` (d -> L*3u: q, k, v of expert l at rows l*3u..) and `o` (L*u -> d).
 
     Same interface as `BEA` (`project`, `output`, `project_all`, `output_all`). WHY every
-    expert instead of the K selected: gathering the selected experts' blocks is a portable copy per token of weights the step
-    then reads again (at prefill, 32 tokens copied 12.5 MB per bench layer), while one linear
+    expert instead of the K selected: gathering the selected experts' blocks is a portable copy,
+    per token, of weights the step then reads again (at prefill, 32 tokens copied 12.5 MB per
+    bench layer), while one linear
     over all L experts is a single weight read in an XNNPACK delegate, and a token's K results
     are picked from its small output. Measured on the bench model's `.pte` against gathering:
     decode 10.9 vs 11.3 ms at batch 1 (though it reads L/K times the expert bytes), 16.5 vs
