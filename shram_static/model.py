@@ -175,7 +175,9 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
             TypeError, ValueError, CapacityError (cached: a row would pass the capacity),
             before anything runs.
         """
-        if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) or logits_to_keep < 0:
+        if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool):
+            raise TypeError(f"logits_to_keep must be an int >= 0 (0: every column), got {logits_to_keep!r}")
+        if logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be an int >= 0 (0: every column), got {logits_to_keep!r}")
         if cache is not None:
             return self._cached_forward(input_ids, attention_mask, output_routing, cache, logits_to_keep)

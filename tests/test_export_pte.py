@@ -331,7 +331,7 @@ def test_export_argument_errors(tmp_path):
     model = tiny_model()
     with pytest.raises(ValueError, match="quantize"):
         export_pte(model, tmp_path / "x.pte", quantize="int4")
-    with pytest.raises(ValueError, match="quantize_embedding must be a bool"):
+    with pytest.raises(TypeError, match="quantize_embedding must be a bool"):
         export_pte(model, tmp_path / "x.pte", quantize="int8", quantize_embedding="yes")
     with pytest.raises(ValueError, match="quantize_embedding applies with quantize"):
         export_pte(model, tmp_path / "x.pte", quantize_embedding=True)

@@ -202,8 +202,8 @@ def test_logits_to_keep_keeps_the_last_columns(monkeypatch):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         assert cache.live_counts.tolist() == [11, 11]
     snap = _snapshot(cache)
-    for bad in (-1, True, 1.0):
-        with pytest.raises(ValueError, match="logits_to_keep"):
+    for bad, err in ((-1, ValueError), (True, TypeError), (1.0, TypeError)):
+        with pytest.raises(err, match="logits_to_keep"):
             model(ids[:, :1], cache=cache, logits_to_keep=bad)
     assert _unchanged(cache, snap)
     seen = []

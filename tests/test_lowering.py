@@ -172,12 +172,16 @@ class _Mixed(torch.nn.Module):
         self.cache.index_put_((pos,), c[:1])
         top = torch.topk(c, 2).values  # (N, 2)
         m = torch.bmm(self.b(c)[None], self.cache.t()[None])[0]  # (N, 4)
-        return m.sum(-1, keepdim=True) * top[:, :1] + self.cache[:1, :1]
+        # A scalar operand of a portable op, a mixed-type add and a cast: what the per-op
+        # edge conversion passes rewrite (`one_edge_conversion_trace`).
+        s = torch.where(m > 0, m, 0.5) * 0.5 + (pos % 3)  # (N, 4), float + int64
+        return s.sum(-1, keepdim=True) * top[:, :1] + self.cache[:1, :1] + pos.float()
 
 
-def _lower(fast: bool, calls: list | None = None) -> bytes:
+def _lower(fast: bool, calls: list | None = None, passes: list | None = None) -> bytes:
     """The `_Mixed` module's two methods lowered and emitted, with every speed-up or none;
-    `calls` (if given) gets one entry per `run_decompositions` during lowering."""
+    `calls` (if given) gets one entry per `run_decompositions` during lowering, `passes` (if
+    given) the class name of every graph pass run (outermost calls only)."""
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
 
     from shram_static.export import lowering
@@ -189,7 +193,8 @@ def _lower(fast: bool, calls: list | None = None) -> bytes:
         programs = {n: torch.export.export(mod, (torch.randn(b, 8), pos), strict=False)
                     for n, b in (("forward", 1), ("prefill", 3))}
     config = EdgeCompileConfig(_check_ir_validity=False)
-    blocks = (lowering.needed_edge_passes_only(), lowering.faster_partitioning()) if fast else ()
+    blocks = (lowering.needed_edge_passes_only(), lowering.one_edge_conversion_trace(),
+              lowering.faster_partitioning()) if fast else ()
     with contextlib.ExitStack() as stack:
         for b in blocks:
             stack.enter_context(b)
@@ -200,6 +205,20 @@ def _lower(fast: bool, calls: list | None = None) -> bytes:
                 # Only this module's programs (XNNPACK's pattern passes decompose their own).
                 lambda self, *a, **k: (calls.append(1) if "cache" in self.graph_signature.buffers else None)
                 or decompose(self, *a, **k)))
+        if passes is not None:
+            from torch.fx.passes.infra.pass_base import PassBase
+            run, depth = PassBase.__call__, []
+
+            def outermost(self, gm):
+                if not depth:
+                    passes.append(type(self).__name__)
+                depth.append(1)
+                try:
+                    return run(self, gm)
+                finally:
+                    depth.pop()
+
+            stack.enter_context(unittest.mock.patch.object(PassBase, "__call__", outermost))
         if fast:
             edge = lowering.to_edge_and_lower(programs, xnnpack_partitioner(), {"k": 1}, config)
         else:
@@ -209,15 +228,26 @@ def _lower(fast: bool, calls: list | None = None) -> bytes:
 
 
 def test_lowering_speedups_give_the_stock_program(caplog):
-    """One decomposition per method, gated edge passes and linear-time partitioning write the
-    same bytes as ExecuTorch's stock `to_edge_transform_and_lower`; the stock call decomposes
-    the user's programs three times per method, the fast one once. XNNPACK's notice against the
-    two-step flow (whose support filter the fast path applies itself) is not shown."""
-    stock_calls, fast_calls = [], []
-    stock = _lower(False, stock_calls)
+    """One decomposition per method, gated edge passes, one trace for the per-op edge
+    conversions and linear-time partitioning write the same bytes as ExecuTorch's stock
+    `to_edge_transform_and_lower`; the stock call decomposes the user's programs three times
+    per method, the fast one once, and runs the four per-op conversion passes as four traces
+    per method, the fast one as one. XNNPACK's notice against the two-step flow (whose support
+    filter the fast path applies itself) is not shown."""
+    from executorch.exir.program import _program
+
+    from shram_static.export.lowering import _PER_OP_EDGE_PASSES
+
+    stock_calls, fast_calls, stock_passes, fast_passes = [], [], [], []
+    stock = _lower(False, stock_calls, stock_passes)
     caplog.set_level("WARNING")
-    fast = _lower(True, fast_calls)
+    generate = _program._generate_edge_program
+    fast = _lower(True, fast_calls, fast_passes)
+    assert _program._generate_edge_program is generate  # restored after the block
     assert (len(stock_calls), len(fast_calls)) == (6, 2)
+    assert [stock_passes.count(p) for p in _PER_OP_EDGE_PASSES] == [2, 2, 2, 2]
+    assert [fast_passes.count(p) for p in _PER_OP_EDGE_PASSES] == [0, 0, 0, 0]
+    assert fast_passes.count("FusedEdgeConversionPass") == 2
     assert fast == stock
     assert not [r for r in caplog.records if "DEPRECATION WARNING" in r.getMessage()]
 

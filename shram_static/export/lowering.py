@@ -221,11 +221,8 @@ def needed_edge_passes_only():
     get = _program._get_aten_to_edge_passes
     triggers = _pass_triggers()
 
-    def name(p) -> str:  # a pass object, or torch's `pass_result_wrapper` named after its class
-        return getattr(p, "__name__", type(p).__name__)
-
     def gated(passes):
-        return [_GatedPass(p, triggers[name(p)]) if name(p) in triggers else p for p in passes]
+        return [_GatedPass(p, triggers[_pass_name(p)]) if _pass_name(p) in triggers else p for p in passes]
 
     def filtered(config):
         pre, post = get(config)
@@ -243,6 +240,75 @@ def needed_edge_passes_only():
     finally:
         _program._get_aten_to_edge_passes = get
         _program.edge_to_executorch_passes = to_et
+
+
+def _pass_name(p) -> str:
+    """A pass object's class name, or the name of torch's `pass_result_wrapper` around one."""
+    return getattr(p, "__name__", type(p).__name__)
+
+
+# ATen-to-edge passes that rewrite one operator call at a time (each only overrides
+# `call_operator`, ending in `super().call_operator`), in the order `to_edge` runs them.
+_PER_OP_EDGE_PASSES = ("ScalarToTensorPass", "RemoveMixedTypeOperators", "OpReplacePass", "MemoryFormatOpsPass")
+
+
+@contextlib.contextmanager
+def one_edge_conversion_trace():
+    """Within the block, `to_edge` runs its four per-operator conversion passes in one re-trace
+    of each method instead of four.
+
+    WHY: `ScalarToTensorPass`, `RemoveMixedTypeOperators`, `OpReplacePass` (ATen -> edge ops)
+    and `MemoryFormatOpsPass` (`_to_copy` -> `_to_dim_order_copy`) are `ExportPass`es that each
+    re-trace every node with fake tensors to rewrite single calls: four full traces per method,
+    1.6-2 s each on the built-in model. Each overrides only `call_operator` and hands its
+    result to `super().call_operator`, so one class deriving from all four, in `to_edge`'s
+    order, applies them to each call in turn (what the cast inserted for a mixed-type add goes
+    through next is OpReplace and MemoryFormat, as in the separate passes). Between the first
+    and the second, `to_edge` runs three graph-level clean-ups (`RemoveNoopPass`,
+    `PruneEmptyTensorsPass`, `RemoveToCopyPass`) that match ATen no-op copies, slices and
+    empty cat inputs, none of which a scalar argument turned into a tensor creates or removes,
+    so they now run before the fused trace. tests/test_lowering.py compares the emitted bytes
+    with ExecuTorch's stock lowering. `_generate_edge_program` reads the pass classes and
+    list when it runs, so they are swapped for the block only; executorch is pinned.
+    """
+    from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+    from executorch.exir.passes.memory_format_ops_pass import MemoryFormatOpsPass
+    from executorch.exir.passes.remove_mixed_type_operators import RemoveMixedTypeOperators
+    from executorch.exir.passes.replace_aten_with_edge_pass import OpReplacePass
+    from executorch.exir.passes.scalar_to_tensor_pass import ScalarToTensorPass
+    from executorch.exir.program import _program
+
+    class AlreadyApplied(PassBase):
+        def call(self, graph_module):
+            return PassResult(graph_module, False)
+
+    generate = _program._generate_edge_program
+
+    def generate_fused(config, *args, **kwargs):
+        bases = (ScalarToTensorPass, RemoveMixedTypeOperators, OpReplacePass)
+        if not config._skip_dim_order:  # to_edge runs MemoryFormatOpsPass only then
+            bases += (MemoryFormatOpsPass,)
+        fused = type("FusedEdgeConversionPass", bases, {})
+        get = _program._get_aten_to_edge_passes  # (maybe `needed_edge_passes_only`'s)
+
+        def without_fused(cfg):
+            pre, post = get(cfg)
+            return [p for p in pre if _pass_name(p) not in _PER_OP_EDGE_PASSES], post
+
+        saved = _program._get_aten_to_edge_passes, _program.OpReplacePass, _program.MemoryFormatOpsPass
+        _program._get_aten_to_edge_passes = without_fused
+        _program.OpReplacePass, _program.MemoryFormatOpsPass = fused, AlreadyApplied
+        try:
+            return generate(config, *args, **kwargs)
+        finally:
+            _program._get_aten_to_edge_passes, _program.OpReplacePass, _program.MemoryFormatOpsPass = saved
+
+    _program._generate_edge_program = generate_fused
+    try:
+        yield
+    finally:
+        _program._generate_edge_program = generate
 
 
 def _can_merge_partitions(self, p1, p2, partitions_by_id) -> bool:

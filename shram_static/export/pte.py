@@ -34,7 +34,7 @@ from ..state import StaticState
 from ..step import StepModule
 from .partition import xnnpack_partitioner
 from .lowering import (drop_metadata_asserts, drop_provenance, faster_partitioning, needed_edge_passes_only,
-                       needed_xnnpack_passes_only, shared_provenance, to_edge_and_lower)
+                       needed_xnnpack_passes_only, one_edge_conversion_trace, shared_provenance, to_edge_and_lower)
 from .quantize import QUANTIZE_MODES, quantize_weights
 from .views import state_view_planning, written_cache_views_pass
 
@@ -194,7 +194,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
     if not isinstance(quantize_embedding, bool):
-        raise ValueError(f"quantize_embedding must be a bool, got {quantize_embedding!r}")
+        raise TypeError(f"quantize_embedding must be a bool, got {quantize_embedding!r}")
     if quantize_embedding and quantize is None:
         raise ValueError("quantize_embedding applies with quantize='int8' or '8da4w'")
     eos_token_id = getattr(cfg, "eos_token_id", None) if eos_token_id is None else eos_token_id
@@ -259,7 +259,8 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     # own preprocessing of such a partition, the `aten.linear` nodes the XNNPACK partitioner keeps
     # undecomposed for its linear kernel (SpecViolationError: "not in Core ATen opset"). What the
     # program runs is checked by running it (tests/test_export_pte.py: allowlisted kernels only).
-    with shared_provenance(), needed_edge_passes_only(), needed_xnnpack_passes_only(), faster_partitioning():
+    with shared_provenance(), needed_edge_passes_only(), one_edge_conversion_trace(), needed_xnnpack_passes_only(), \
+            faster_partitioning():
         edge = to_edge_and_lower(programs, xnnpack_partitioner(), constants,
                                  EdgeCompileConfig(_check_ir_validity=False))
         return edge.to_executorch(ExecutorchBackendConfig(
