@@ -39,10 +39,9 @@ def test_pass_filter_keeps_what_can_apply():
     names = [p.__name__ for p in default]
     plain = [p.__name__ for p in needed_xnnpack_passes(_graph((exir_ops.edge.aten.neg.default, ())), default)]
     # Passes without a trigger always run, in XNNPACK's order.
-    for always in ("ConstPropPass", "ChannelsLastTaggedReshapePass"):
-        assert always in plain
+    assert "ChannelsLastTaggedReshapePass" in plain
     assert plain == [n for n in names if n in plain]
-    for skipped in ("ConvertToUpsampleBilinear2d", "ConvertToSDPAPass", "DecomposeBatchNorm",
+    for skipped in ("ConstPropPass", "ConvertToUpsampleBilinear2d", "ConvertToSDPAPass", "DecomposeBatchNorm",
                     "FuseBatchNormPass", "Conv1dUnsqueezePass", "PReLUReshapePass", "RemoveGetItemPass",
                     "DecomposeConcatenate", "PropagateCustomMetaPass", "DimOrderOpsRevertPass",
                     "ConvertToLinearPass", "FuseActivationPass", "RemoveRedundantCopyPass"):
@@ -59,6 +58,11 @@ def test_pass_filter_keeps_what_can_apply():
     assert "DecomposeConcatenate" in [p.__name__ for p in needed_xnnpack_passes(cat6, default)]
     dq = _graph((exir_ops.edge.quantized_decomposed.dequantize_per_tensor.default, (0.1, 0, -128, 127, torch.int8)))
     assert "PropagateCustomMetaPass" in [p.__name__ for p in needed_xnnpack_passes(dq, default)]
+    # A call without graph inputs (a creation op) is where constant folding can start.
+    full = _graph((exir_ops.edge.aten.neg.default, ()))
+    with full.graph.inserting_before(next(iter(full.graph.nodes)).next):
+        full.graph.call_function(exir_ops.edge.aten.full.default, ([2], 1.0))
+    assert "ConstPropPass" in [p.__name__ for p in needed_xnnpack_passes(full, default)]
 
 
 def test_pass_filter_is_scoped():
@@ -194,7 +198,7 @@ def _lower(fast: bool, calls: list | None = None, passes: list | None = None) ->
                     for n, b in (("forward", 1), ("prefill", 3))}
     config = EdgeCompileConfig(_check_ir_validity=False)
     blocks = (lowering.needed_edge_passes_only(), lowering.one_edge_conversion_trace(),
-              lowering.faster_partitioning()) if fast else ()
+              lowering.needed_xnnpack_passes_only(), lowering.faster_partitioning()) if fast else ()
     with contextlib.ExitStack() as stack:
         for b in blocks:
             stack.enter_context(b)
@@ -228,8 +232,8 @@ def _lower(fast: bool, calls: list | None = None, passes: list | None = None) ->
 
 
 def test_lowering_speedups_give_the_stock_program(caplog):
-    """One decomposition per method, gated edge passes, one trace for the per-op edge
-    conversions and linear-time partitioning write the same bytes as ExecuTorch's stock
+    """One decomposition per method, gated edge and XNNPACK passes, one trace for the per-op
+    edge conversions and linear-time partitioning write the same bytes as ExecuTorch's stock
     `to_edge_transform_and_lower`; the stock call decomposes the user's programs three times
     per method, the fast one once, and runs the four per-op conversion passes as four traces
     per method, the fast one as one. XNNPACK's notice against the two-step flow (whose support

@@ -115,6 +115,10 @@ def _pass_triggers() -> dict:
         # Only copies metadata onto quantize/dequantize nodes.
         "PropagateCustomMetaPass": lambda n: n.op == "call_function" and (is_quant(n) or is_dequant(n)),
         "DimOrderOpsRevertPass": lambda n: _op_name(n) in dim_order_ops,
+        # Folds a call only when every argument is a real tensor or a constant; in its re-trace
+        # every placeholder (weights included) is a fake tensor, so folding starts at a call
+        # without graph inputs (a creation op) or never. No XNNPACK pass before it makes one.
+        "ConstPropPass": lambda n: n.op == "call_function" and not n.all_input_nodes,
         # Fuses a relu/hardtanh into the op before it (not clamp).
         "FuseActivationPass": named("aten.relu.default", "aten.hardtanh.default"),
         # Removes pairs of _to_copy (the layout conversions ChannelsLastTaggedReshapePass adds).
