@@ -7,6 +7,7 @@ golden logits and tokens through every `.pte`).
 
 import contextlib
 import copy
+import importlib
 import types
 import unittest.mock
 
@@ -182,10 +183,12 @@ class _Mixed(torch.nn.Module):
         return s.sum(-1, keepdim=True) * top[:, :1] + self.cache[:1, :1] + pos.float()
 
 
-def _lower(fast: bool, calls: list | None = None, passes: list | None = None) -> bytes:
+def _lower(fast: bool, calls: list | None = None, passes: list | None = None,
+           delegate_runs: list | None = None) -> bytes:
     """The `_Mixed` module's two methods lowered and emitted, with every speed-up or none;
     `calls` (if given) gets one entry per `run_decompositions` during lowering, `passes` (if
-    given) the class name of every graph pass run (outermost calls only)."""
+    given) the class name of every graph pass run (outermost calls only), `delegate_runs` (if
+    given) one entry per run of a delegate's original program."""
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
 
     from shram_static.export import lowering
@@ -198,8 +201,14 @@ def _lower(fast: bool, calls: list | None = None, passes: list | None = None) ->
                     for n, b in (("forward", 1), ("prefill", 3))}
     config = EdgeCompileConfig(_check_ir_validity=False)
     blocks = (lowering.needed_edge_passes_only(), lowering.one_edge_conversion_trace(),
-              lowering.needed_xnnpack_passes_only(), lowering.faster_partitioning()) if fast else ()
+              lowering.needed_xnnpack_passes_only(), lowering.faster_partitioning(),
+              lowering.delegate_outputs_from_metadata()) if fast else ()
     with contextlib.ExitStack() as stack:
+        if delegate_runs is not None:  # patched first: the speed-up keeps the stock function
+            hop = importlib.import_module("torch._higher_order_ops.executorch_call_delegate")
+            run_delegate = hop.call_delegate_cpu
+            stack.enter_context(unittest.mock.patch.object(
+                hop, "call_delegate_cpu", lambda *a: delegate_runs.append(1) or run_delegate(*a)))
         for b in blocks:
             stack.enter_context(b)
         if calls is not None:
@@ -233,22 +242,26 @@ def _lower(fast: bool, calls: list | None = None, passes: list | None = None) ->
 
 def test_lowering_speedups_give_the_stock_program(caplog):
     """One decomposition per method, gated edge and XNNPACK passes, one trace for the per-op
-    edge conversions and linear-time partitioning write the same bytes as ExecuTorch's stock
-    `to_edge_transform_and_lower`; the stock call decomposes the user's programs three times
-    per method, the fast one once, and runs the four per-op conversion passes as four traces
-    per method, the fast one as one. XNNPACK's notice against the two-step flow (whose support
-    filter the fast path applies itself) is not shown."""
+    edge conversions, delegate outputs from metadata and linear-time partitioning write the
+    same bytes as ExecuTorch's stock `to_edge_transform_and_lower`; the stock call decomposes
+    the user's programs three times per method, the fast one once, runs the four per-op
+    conversion passes as four traces per method, the fast one as one, and runs each delegate's
+    original program when re-tracing, the fast one never. XNNPACK's notice against the
+    two-step flow (whose support filter the fast path applies itself) is not shown."""
     from executorch.exir.program import _program
 
     from shram_static.export.lowering import _PER_OP_EDGE_PASSES
 
-    stock_calls, fast_calls, stock_passes, fast_passes = [], [], [], []
-    stock = _lower(False, stock_calls, stock_passes)
+    hop = importlib.import_module("torch._higher_order_ops.executorch_call_delegate")
+    stock_calls, fast_calls, stock_passes, fast_passes, stock_runs, fast_runs = [], [], [], [], [], []
+    stock = _lower(False, stock_calls, stock_passes, stock_runs)
     caplog.set_level("WARNING")
-    generate = _program._generate_edge_program
-    fast = _lower(True, fast_calls, fast_passes)
-    assert _program._generate_edge_program is generate  # restored after the block
+    generate, run = _program._generate_edge_program, hop.call_delegate_cpu
+    fast = _lower(True, fast_calls, fast_passes, fast_runs)
+    assert (_program._generate_edge_program, hop.call_delegate_cpu) == (generate, run)  # restored
     assert (len(stock_calls), len(fast_calls)) == (6, 2)
+    # to_executorch's re-trace ran every delegate's program (fake tensors); the fast one none.
+    assert len(stock_runs) > 0 and len(fast_runs) == 0
     assert [stock_passes.count(p) for p in _PER_OP_EDGE_PASSES] == [2, 2, 2, 2]
     assert [fast_passes.count(p) for p in _PER_OP_EDGE_PASSES] == [0, 0, 0, 0]
     assert fast_passes.count("FusedEdgeConversionPass") == 2

@@ -33,8 +33,9 @@ from ..host import HostDecoder
 from ..state import StaticState
 from ..step import StepModule
 from .partition import xnnpack_partitioner
-from .lowering import (drop_metadata_asserts, drop_provenance, faster_partitioning, needed_edge_passes_only,
-                       needed_xnnpack_passes_only, one_edge_conversion_trace, shared_provenance, to_edge_and_lower)
+from .lowering import (delegate_outputs_from_metadata, drop_metadata_asserts, drop_provenance, faster_partitioning,
+                       needed_edge_passes_only, needed_xnnpack_passes_only, one_edge_conversion_trace,
+                       shared_provenance, to_edge_and_lower)
 from .quantize import QUANTIZE_MODES, quantize_weights
 from .views import state_view_planning, written_cache_views_pass
 
@@ -260,7 +261,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     # undecomposed for its linear kernel (SpecViolationError: "not in Core ATen opset"). What the
     # program runs is checked by running it (tests/test_export_pte.py: allowlisted kernels only).
     with shared_provenance(), needed_edge_passes_only(), one_edge_conversion_trace(), needed_xnnpack_passes_only(), \
-            faster_partitioning():
+            faster_partitioning(), delegate_outputs_from_metadata():
         edge = to_edge_and_lower(programs, xnnpack_partitioner(), constants,
                                  EdgeCompileConfig(_check_ir_validity=False))
         return edge.to_executorch(ExecutorchBackendConfig(
