@@ -218,3 +218,22 @@ def test_export_quantize_embedding_needs_quantize(tmp_path, capsys):
     assert main(["export", "--format", "pte", "--quantize-embedding", "--out", str(tmp_path / "o")]) == 2
     assert "--quantize-embedding applies with --quantize" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_export_parallel_flag_reaches_both_exporters(tmp_path, monkeypatch):
+    """`--no-parallel` exports in one process; the default is the two-process export."""
+    import shram_static.export as ex
+
+    seen = []
+
+    def fake(fmt):
+        def export(model, path, **kw):
+            seen.append((fmt, kw["parallel"]))
+            return path
+        return export
+
+    monkeypatch.setattr(ex, "export_pte", fake("pte"))
+    monkeypatch.setattr(ex, "export_onnx", fake("onnx"))
+    assert main(["export", "--format", "pte,onnx", "--out", str(tmp_path / "a")]) == 0
+    assert main(["export", "--format", "pte,onnx", "--no-parallel", "--out", str(tmp_path / "b")]) == 0
+    assert seen == [("pte", True), ("onnx", True), ("pte", False), ("onnx", False)]

@@ -11,6 +11,7 @@ against StaticDecoder); batched prefill with left padding on every other backend
 
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -18,7 +19,9 @@ import torch
 from helpers import GOLDEN_CASES, golden_case, golden_run, tiny_model
 
 from shram_static import StaticDecoder
-from shram_static.export import ExportFormatError, export_pte, load_pte
+from shram_static.export import ExportFormatError, export_onnx, export_pte, load_pte
+from shram_static.export import pte
+from shram_static.export.forked import can_fork
 from shram_static.export.pte import lower_program, program_ops
 from shram_static.export.quantize import quantize_weights
 from shram_static.tokenizer import ByteTokenizer, bytes_to_unicode
@@ -71,11 +74,22 @@ FORBIDDEN_IN_DECODE = {"aten::expand_copy.out"}
 SHARED_CASE = "yarn_extended"
 
 
+# Methods of the shared program that came back from a forked lowering (`run_jobs`).
+TRANSFERRED = []
+
+
 @pytest.fixture(scope="module")
 def builtin(tmp_path_factory):
-    """(path, ExecutorchProgramManager, model) of the SHARED_CASE golden model, batch 1, chunk 8."""
+    """(path, ExecutorchProgramManager, model) of the SHARED_CASE golden model, batch 1, chunk 8.
+
+    Lowered as `export_pte` does by default: the decode method in a forked process where the
+    machine allows; a failed child (whose method would be lowered again here) is an error."""
     model, _ = golden_case(SHARED_CASE)
-    et = lower_program(model, batch_size=1, prefill_chunk=8, eos_token_id=EOS, bos_token_id=BOS)
+    received = pte.edge_program_from_value
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        warnings.filterwarnings("error", message="the parallel process", category=RuntimeWarning)
+        mp.setattr(pte, "edge_program_from_value", lambda v: TRANSFERRED.append(1) or received(v))
+        et = lower_program(model, batch_size=1, prefill_chunk=8, eos_token_id=EOS, bos_token_id=BOS)
     path = tmp_path_factory.mktemp("pte") / "builtin.pte"
     path.write_bytes(et.buffer)
     return str(path), et, model
@@ -90,6 +104,13 @@ def test_golden_with_prefill_method(builtin):
     err, tokens = golden_run(dec, g)
     assert err <= 1e-3, f"{SHARED_CASE}: max abs logit error {err}"
     assert torch.equal(tokens, g["greedy_tokens"]), f"{tokens} != {g['greedy_tokens']}"
+
+
+@pytest.mark.skipif(not can_fork(), reason="one process: Linux with two usable CPUs lowers two")
+def test_shared_program_lowered_in_two_processes(builtin):
+    """The golden test above ran on a program whose decode method was lowered in a forked
+    process and sent back (tests/test_lowering.py: such a method emits the same program)."""
+    assert len(TRANSFERRED) == 1
 
 
 @pytest.mark.parametrize("name", [c for c in GOLDEN_CASES if c != SHARED_CASE])
@@ -341,6 +362,11 @@ def test_export_argument_errors(tmp_path):
         export_pte(model, tmp_path / "x.pte", eos_token_id=10**6)
     with pytest.raises(ValueError, match="bos_token_id"):
         export_pte(model, tmp_path / "x.pte", bos_token_id=-2)
+    with pytest.raises(TypeError, match="parallel must be a bool"):
+        export_pte(model, tmp_path / "x.pte", parallel=1)
+    with pytest.raises(TypeError, match="parallel must be a bool"):
+        export_onnx(model, tmp_path / "x.onnx", parallel="yes")
+    assert not os.listdir(tmp_path)
 
 
 # Drift against fp32 (dynamic per-token int8 activations on every nn.Linear): each quantized

@@ -347,3 +347,67 @@ def test_legalize_order_is_torchs():
     assert [n.name for n in out.graph.nodes] == want and lbm.legalize_graph is legalize_graph
     x, y = torch.randn(3, 4), torch.randn(3, 4)
     torch.testing.assert_close(gm(x, y), M()(x, y))  # code regenerated when the block ended
+
+
+class _WithTable(_Mixed):
+    """`_Mixed` plus a parameter read by a portable op (an embedding row), so that a parameter
+    (requires_grad) is a tensor of the emitted program itself, not only of a delegate."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(10, 8, generator=torch.Generator().manual_seed(1)))
+
+    def forward(self, x, pos):
+        return super().forward(x, pos) + torch.nn.functional.embedding(pos, self.table).sum(-1, keepdim=True)
+
+
+def _without_offsets(buffer: bytes):
+    """The deserialized program of a `.pte` with every planned memory offset set to 0."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    program = deserialize_pte_binary(buffer).program
+    for plan in program.execution_plan:
+        for v in plan.values:
+            info = getattr(v.val, "allocation_info", None)
+            if info is not None:
+                info.memory_offset_low = info.memory_offset_high = 0
+    return program
+
+
+def test_a_method_lowered_elsewhere_emits_the_same_program():
+    """A lowered method sent as `edge_program_to_value`, pickled and rebuilt by
+    `edge_program_from_value` (what `lower_program(parallel=True)` does with the method lowered
+    in a forked process) emits the same program as the method itself, but for planned memory
+    offsets (not fixed between processes: see `edge_transfer`); the same outputs."""
+    import pickle
+
+    from executorch.exir import EdgeCompileConfig, EdgeProgramManager, ExecutorchBackendConfig
+    from executorch.runtime import Runtime
+
+    from shram_static.export import lowering
+    from shram_static.export.edge_transfer import edge_program_from_value, edge_program_to_value
+    from shram_static.export.partition import xnnpack_partitioner
+
+    mod = _WithTable().eval()
+    pos = torch.ones(1, dtype=torch.long)
+    config = EdgeCompileConfig(_check_ir_validity=False)
+    with torch.no_grad():
+        programs = {n: torch.export.export(mod, (torch.randn(b, 8), pos), strict=False)
+                    for n, b in (("forward", 1), ("prefill", 3))}
+    edges = {n: lowering.to_edge_and_lower({n: ep}, xnnpack_partitioner(), {}, config).exported_program(n)
+             for n, ep in programs.items()}
+    sent = edge_program_from_value(pickle.loads(pickle.dumps(edge_program_to_value(edges["prefill"]))))
+
+    def emit(prefill):
+        return EdgeProgramManager({"forward": copy.deepcopy(edges["forward"]), "prefill": prefill},
+                                  constant_methods={"k": 1}, compile_config=config
+                                  ).to_executorch(ExecutorchBackendConfig(run_reinplace_pass=True)).buffer
+
+    here, there = emit(copy.deepcopy(edges["prefill"])), emit(sent)
+    flags = [v.val.requires_grad for v in _without_offsets(here).execution_plan[1].values
+             if hasattr(v.val, "requires_grad")]
+    assert any(flags)  # the table: what the transfer must keep
+    assert _without_offsets(there) == _without_offsets(here)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    outs = [Runtime.get().load_program(b).load_method("prefill").execute([x, pos])[0] for b in (here, there)]
+    assert torch.equal(outs[0], outs[1])

@@ -1,5 +1,6 @@
 """`shram-static export`: write `.pte` and/or `.onnx` artifacts plus `tokenizer.json`."""
 
+import argparse
 import os
 import shutil
 import time
@@ -43,12 +44,12 @@ def export_main(args) -> int:
             path = export_pte(model, f"{stem}{suffix}.pte", batch_size=args.batch_size,
                               prefill_chunk=None if args.decode_only else args.prefill_chunk,
                               quantize=args.quantize, eos_token_id=eos, bos_token_id=tok.bos_token_id,
-                              quantize_embedding=args.quantize_embedding)
+                              quantize_embedding=args.quantize_embedding, parallel=args.parallel)
         else:
             if args.quantize:
                 info("note: --quantize applies to .pte only; the .onnx stays fp32")
             paths = export_onnx(model, f"{stem}.onnx", batch_size=args.batch_size,
-                                prefill_chunk=args.prefill_chunk, eos_token_id=eos)
+                                prefill_chunk=args.prefill_chunk, eos_token_id=eos, parallel=args.parallel)
             path = paths["decode"] if isinstance(paths, dict) else paths
         info(f"wrote {path} in {time.perf_counter() - t:.0f} s")
         print(path)
@@ -65,10 +66,13 @@ def register(subparsers) -> None:
     p.add_argument("--prefill-chunk", type=int, default=32)
     p.add_argument("--decode-only", action="store_true",
                    help="write no prefill method (.pte only): prompts run token by token through the "
-                        "decode step, as ExecuTorch's stock runner does; half the lowering time")
+                        "decode step, as ExecuTorch's stock runner does; half the lowering work")
     p.add_argument("--quantize", choices=["int8", "8da4w"], default=None,
                    help="int8: int8 weights per channel; 8da4w: int4 weights in groups of 32 (.pte only)")
     p.add_argument("--quantize-embedding", action="store_true",
                    help="with --quantize, store the embedding as int8 rows too: a quarter of its bytes, "
                         "same speed, more logit drift")
+    p.add_argument("--parallel", action=argparse.BooleanOptionalAction, default=True,
+                   help="export the decode and prefill steps in two processes at once (Linux, 2+ CPUs; "
+                        "default): ~1.3x faster, up to twice the peak memory")
     p.set_defaults(func=export_main)

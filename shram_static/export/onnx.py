@@ -17,6 +17,7 @@ one graph per C; `m.onnx` stays a plain single-step model any ONNX tool can open
 data file keeps the weights on disk once.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -29,6 +30,7 @@ from ..config import ShramConfig
 from ..host import HostDecoder
 from ..state import StaticState
 from ..step import FunctionalStep
+from .forked import run_jobs
 from .lowering import without_onnx_rewrite_rules
 from .pte import ExportFormatError, check_export_args, export_copy
 
@@ -100,7 +102,7 @@ def _externalize(models: list, data_path: str, min_bytes: int = 1024) -> None:
 
 
 def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int = 32,
-                eos_token_id: int | None = None) -> dict[str, str]:
+                eos_token_id: int | None = None, *, parallel: bool = True) -> dict[str, str]:
     """Writes the decode and prefill graphs and their shared weights (see module docstring).
 
     Args:
@@ -109,6 +111,9 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int = 32,
         batch_size: B rows per call.
         prefill_chunk: C tokens per prefill call.
         eos_token_id: stored in the metadata; the loaded decoder's `generate` stops on it.
+        parallel: export the decode graph in a forked process while this one exports the
+            prefill graph (Linux, two or more usable CPUs; the same graphs; up to twice the
+            peak memory). False: one process.
 
     Returns:
         The paths written, as `graph_paths(path)`.
@@ -116,6 +121,8 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int = 32,
     import onnx
 
     cfg: ShramConfig = model.config
+    if not isinstance(parallel, bool):
+        raise TypeError(f"parallel must be a bool, got {parallel!r}")
     check_export_args(cfg, batch_size, prefill_chunk, eos_token_id)
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
@@ -124,9 +131,14 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int = 32,
     paths = graph_paths(path)
     os.makedirs(os.path.dirname(os.path.abspath(paths["decode"])), exist_ok=True)
     export_id = uuid.uuid4().hex  # ties the files of one export together
+    # With `parallel`, the decode graph is exported in a forked process while this one exports
+    # the (larger) prefill graph (shram_static/export/forked.py); a graph travels back as bytes.
+    chunks = {"decode": 1, "prefill": prefill_chunk}
+    jobs = {role: functools.partial(_export_graph, fn, state, chunks[role]) for role in ("prefill", "decode")}
+    protos = run_jobs(jobs, lambda m: m.SerializeToString(), onnx.ModelProto.FromString, parallel)
     models = {}
-    for role, C in (("decode", 1), ("prefill", prefill_chunk)):
-        m = _export_graph(fn, state, C)
+    for role, C in chunks.items():
+        m = protos[role]
         meta = {"format": FORMAT, "role": role, "export_id": export_id, "batch_size": batch_size,
                 "prefill_chunk": prefill_chunk, "chunk": C, "state_names": state.names(),
                 "eos_token_id": eos_token_id, "dtype": str(dtype).replace("torch.", "")}

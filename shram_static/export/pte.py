@@ -7,7 +7,7 @@ One program holds:
   * `prefill(tokens [B, C], input_pos [B], live [B, C] bool) -> logits [B, C, V]`, unless
     exported with `prefill_chunk=None` (decode only: prompts then run token by token through
     the decode step, as the stock runner does with any program whose `enable_dynamic_shape`
-    is False; half the lowering time and a smaller file, slower prompts);
+    is False; half the lowering work and a smaller file, slower prompts);
   * constant methods read by the stock runner (`get_max_seq_len`, `get_max_context_len`,
     `use_kv_cache`, `enable_dynamic_shape`, `get_eos_ids`), by optimum-executorch's
     `ExecuTorchModelForCausalLM` (also `get_bos_id`, `get_vocab_size`, `get_max_batch_size`,
@@ -21,6 +21,7 @@ anything (what the stock runner's `reset()` relies on).
 
 import contextlib
 import copy
+import functools
 import json
 import os
 
@@ -32,6 +33,8 @@ from ..experts import fuse_experts_
 from ..host import HostDecoder
 from ..state import StaticState
 from ..step import StepModule
+from .edge_transfer import edge_program_from_value, edge_program_to_value
+from .forked import run_jobs
 from .partition import xnnpack_partitioner
 from .lowering import (delegate_outputs_from_metadata, drop_metadata_asserts, drop_provenance, faster_partitioning,
                        needed_edge_passes_only, needed_xnnpack_passes_only, one_edge_conversion_trace,
@@ -181,15 +184,16 @@ def program_ops(et_program, method: str) -> dict:
 
 def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, quantize: str | None = None,
                   eos_token_id: int | None = None, bos_token_id: int | None = None, *,
-                  quantize_embedding: bool = False):
-    """Exports and lowers the two steps; returns the `ExecutorchProgramManager` (not written).
+                  quantize_embedding: bool = False, parallel: bool = True):
+    """Exports and lowers the two steps (with `parallel`, the decode step in a forked process);
+    returns the `ExecutorchProgramManager` (not written).
 
     Args: as `export_pte`.
 
     Returns:
         The program manager; `.buffer` is the .pte bytes.
     """
-    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig
+    from executorch.exir import EdgeCompileConfig, EdgeProgramManager, ExecutorchBackendConfig
 
     cfg: ShramConfig = model.config
     if quantize not in QUANTIZE_MODES:
@@ -198,6 +202,8 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         raise TypeError(f"quantize_embedding must be a bool, got {quantize_embedding!r}")
     if quantize_embedding and quantize is None:
         raise ValueError("quantize_embedding applies with quantize='int8' or '8da4w'")
+    if not isinstance(parallel, bool):
+        raise TypeError(f"parallel must be a bool, got {parallel!r}")
     eos_token_id = getattr(cfg, "eos_token_id", None) if eos_token_id is None else eos_token_id
     bos_token_id = getattr(cfg, "bos_token_id", None) if bos_token_id is None else bos_token_id
     check_export_args(cfg, batch_size, 1 if prefill_chunk is None else prefill_chunk, eos_token_id,
@@ -217,19 +223,31 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         dec, dec_args = _Chunk(step, last=True), (torch.zeros(B, 1, **i64), torch.zeros(B, **i64),
                                          torch.ones(B, 1, dtype=torch.bool))
     pre_args = (torch.zeros(B, C, **i64), torch.zeros(B, **i64), torch.ones(B, C, dtype=torch.bool))
-    # no_grad: in-place writes into buffers computed from parameters that require grad fail in
-    # ExecuTorch's passes. strict=False: the step has no data-dependent Python (no .item(), no
-    # branch on tensor data), so tracing it with Python itself gives the same graph (node for
-    # node on the built-in model) as Dynamo's strict mode, in half the time (5.1 s against 10.4 s
-    # for both methods of the built-in model).
-    programs = {}
-    with torch.no_grad():
-        programs[decode_name] = torch.export.export(dec, dec_args, strict=False)
-        if prefill_chunk is not None:
-            programs["prefill"] = torch.export.export(_Chunk(step, last=False), pre_args, strict=False)
-    for ep in programs.values():
+    methods = {decode_name: (dec, dec_args)}  # decode first: see _init_first_method_pass
+    if prefill_chunk is not None:
+        methods["prefill"] = (_Chunk(step, last=False), pre_args)
+    # _check_ir_validity=False, as ExecuTorch's llama export does. WHY: the edge verifier re-checks
+    # every graph after every pass (~10% of lowering time), and since a delegate holds a whole
+    # norm + projections block (export/probes/README.md, section 6) it rejects, inside XNNPACK's
+    # own preprocessing of such a partition, the `aten.linear` nodes the XNNPACK partitioner keeps
+    # undecomposed for its linear kernel (SpecViolationError: "not in Core ATen opset"). What the
+    # program runs is checked by running it (tests/test_export_pte.py: allowlisted kernels only).
+    config = EdgeCompileConfig(_check_ir_validity=False)
+
+    def lower(name):
+        """One method: ATen export, then edge dialect with the XNNPACK delegates."""
+        mod, args = methods[name]
+        # no_grad: in-place writes into buffers computed from parameters that require grad fail
+        # in ExecuTorch's passes. strict=False: the step has no data-dependent Python (no
+        # .item(), no branch on tensor data), so tracing it with Python itself gives the same
+        # graph (node for node on the built-in model) as Dynamo's strict mode, in half the time
+        # (5.1 s against 10.4 s for both methods of the built-in model).
+        with torch.no_grad():
+            ep = torch.export.export(mod, args, strict=False)
         drop_provenance(ep)
         drop_metadata_asserts(ep)
+        return to_edge_and_lower({name: ep}, xnnpack_partitioner(), {}, config).exported_program(name)
+
     meta = {
         "format": FORMAT, "batch_size": B, "prefill_chunk": C, "quantize": quantize,
         "quantize_embedding": quantize_embedding,
@@ -253,17 +271,16 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         "get_shram_config": cfg.to_json_string(use_diff=False),  # string constants work (probe 1)
         "get_shram_export": json.dumps(meta),
     }
-    # Decode first: the first method is the one that carries the state's starting values.
-    # _check_ir_validity=False, as ExecuTorch's llama export does. WHY: the edge verifier re-checks
-    # every graph after every pass (~10% of lowering time), and since a delegate holds a whole
-    # norm + projections block (export/probes/README.md, section 6) it rejects, inside XNNPACK's
-    # own preprocessing of such a partition, the `aten.linear` nodes the XNNPACK partitioner keeps
-    # undecomposed for its linear kernel (SpecViolationError: "not in Core ATen opset"). What the
-    # program runs is checked by running it (tests/test_export_pte.py: allowlisted kernels only).
+    # Each method is lowered on its own (the same program as lowering them together); with
+    # `parallel` the decode method in a forked process (shram_static/export/forked.py). WHY that
+    # one: prefill's graph is the larger (20 against 13 s on the built-in model), and reading a
+    # forked method back here (seconds) comes after this process's own lowering.
+    jobs = {name: functools.partial(lower, name) for name in reversed(methods)}
     with shared_provenance(), needed_edge_passes_only(), one_edge_conversion_trace(), needed_xnnpack_passes_only(), \
             faster_partitioning(), delegate_outputs_from_metadata():
-        edge = to_edge_and_lower(programs, xnnpack_partitioner(), constants,
-                                 EdgeCompileConfig(_check_ir_validity=False))
+        edges = run_jobs(jobs, edge_program_to_value, edge_program_from_value, parallel)
+        edge = EdgeProgramManager({name: edges[name] for name in methods}, constant_methods=constants,
+                                  compile_config=config)
         return edge.to_executorch(ExecutorchBackendConfig(
             # shared mutable buffers (state_view_planning) + emit_mutable_buffer_names: both
             # methods address ONE copy of each state buffer (through executorch.runtime's Program;
@@ -280,7 +297,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
 
 def export_pte(model, path, batch_size: int = 1, prefill_chunk: int | None = 32, quantize: str | None = None,
                eos_token_id: int | None = None, bos_token_id: int | None = None, *,
-               quantize_embedding: bool = False) -> str:
+               quantize_embedding: bool = False, parallel: bool = True) -> str:
     """Writes one ExecuTorch program (XNNPACK delegate, portable kernels for the rest).
 
     Args:
@@ -299,12 +316,15 @@ def export_pte(model, path, batch_size: int = 1, prefill_chunk: int | None = 32,
         quantize_embedding: with `quantize`, also store the embedding table as int8 rows with
             per-row scales: a quarter of its bytes, no effect on step time, more logit drift
             (see `quantize_weights`). Needs `quantize`.
+        parallel: lower the decode method in a forked process while this one lowers the prefill
+            method (Linux, two or more usable CPUs; the same program; up to twice the peak
+            memory). False: one process.
 
     Returns:
         The path written.
     """
     et = lower_program(model, batch_size, prefill_chunk, quantize, eos_token_id, bos_token_id,
-                       quantize_embedding=quantize_embedding)
+                       quantize_embedding=quantize_embedding, parallel=parallel)
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "wb") as f:

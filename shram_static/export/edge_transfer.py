@@ -1,0 +1,82 @@
+"""A lowered edge program (XNNPACK delegates included) to a picklable value and back, so a
+method lowered in a forked process (`forked.run_jobs`) joins the program emitted here.
+
+ExecuTorch's own serializer (`executorch.exir.serde`) carries the graph, the delegates'
+processed bytes, named data and original modules. Its fake values lose `requires_grad`, which
+the emitter writes into every tensor of the program, so the flags travel beside it, by node
+name. The emitted program is then the one lowering in this process gives, but for where
+memory planning places tensors of equal size: ExecuTorch's greedy planner visits them in the
+order of a set hashed by object identity, so that order is not even fixed between two
+processes lowering alike (tests/test_lowering.py compares the programs without offsets).
+"""
+
+import torch
+import torch.utils._pytree as pytree
+
+
+def _grad_flags(ep) -> dict:
+    return {n.name: [bool(getattr(v, "requires_grad", False)) for v in pytree.tree_leaves(n.meta.get("val"))]
+            for n in ep.graph.nodes}
+
+
+def _lowered_modules(ep) -> dict:
+    from executorch.exir.lowered_backend_module import LoweredBackendModule
+
+    return {n: m for n, m in ep.graph_module.named_children() if isinstance(m, LoweredBackendModule)}
+
+
+def edge_program_to_value(ep) -> tuple:
+    """An edge `ExportedProgram` as a picklable value (`edge_program_from_value` reverses it).
+
+    The delegates' named data (XNNPACK's weights) and their original modules' tensors travel
+    beside the serialized program, as tensors and bytes. WHY: the serializer writes them as
+    base64 text inside JSON inside JSON; for the bench model's `.pte` that is ~0.6 GB of text,
+    and reading it back raised the peak memory of the export by 2 GB. Meanwhile the serializer
+    sees the original modules' tensors on the meta device (no data); `ep` is restored after.
+    """
+    from executorch.exir.serde.serialize import serialize
+
+    lowered, swapped = _lowered_modules(ep), []
+    data = {}
+    try:
+        for name, m in lowered.items():
+            orig = m.original_module
+            tensors = {k: t for d in (orig.state_dict, orig.constants) for k, t in d.items()
+                       if isinstance(t, torch.Tensor)}
+            data[name] = (m._named_data_store_output, tensors)
+            swapped.append((m, m._named_data_store_output, dict(orig.state_dict), dict(orig.constants)))
+            m._named_data_store_output = None
+            for d in (orig.state_dict, orig.constants):
+                for k, t in d.items():
+                    if isinstance(t, torch.Tensor):
+                        meta = t.detach().to("meta")
+                        d[k] = torch.nn.Parameter(meta, t.requires_grad) if isinstance(t, torch.nn.Parameter) else meta
+        art = serialize(ep)
+    finally:
+        for m, named, state, consts in swapped:
+            m._named_data_store_output = named
+            m.original_module.state_dict.update(state)
+            m.original_module.constants.update(consts)
+    return (art.exported_program, art.state_dict, art.constants, art.example_inputs), _grad_flags(ep), data
+
+
+def edge_program_from_value(value: tuple):
+    """The edge `ExportedProgram` of `edge_program_to_value`."""
+    from executorch.exir.serde.export_serialize import SerializedArtifact
+    from executorch.exir.serde.serialize import deserialize
+
+    fields, flags, data = value
+    ep = deserialize(SerializedArtifact(*fields))
+    for name, m in _lowered_modules(ep).items():
+        named, tensors = data[name]
+        m._named_data_store_output = named
+        orig = m.original_module
+        for d in (orig.state_dict, orig.constants):
+            for k in d:
+                if k in tensors:
+                    d[k] = tensors[k]
+    for node in ep.graph.nodes:
+        for v, grad in zip(pytree.tree_leaves(node.meta.get("val")), flags.get(node.name, ())):
+            if grad and isinstance(v, torch.Tensor) and not v.requires_grad:
+                v.requires_grad_(True)
+    return ep
