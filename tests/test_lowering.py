@@ -362,23 +362,25 @@ class _WithTable(_Mixed):
 
 
 def _without_offsets(buffer: bytes):
-    """The deserialized program of a `.pte` with every planned memory offset set to 0."""
+    """A deserialized `.pte` (program, named data: the delegates' weights) with every planned
+    memory offset set to 0."""
     from executorch.exir._serialize._program import deserialize_pte_binary
 
-    program = deserialize_pte_binary(buffer).program
-    for plan in program.execution_plan:
+    pte = deserialize_pte_binary(buffer)
+    for plan in pte.program.execution_plan:
         for v in plan.values:
             info = getattr(v.val, "allocation_info", None)
             if info is not None:
                 info.memory_offset_low = info.memory_offset_high = 0
-    return program
+    return pte
 
 
 def test_a_method_lowered_elsewhere_emits_the_same_program():
     """A lowered method sent as `edge_program_to_value`, pickled and rebuilt by
     `edge_program_from_value` (what `lower_program(parallel=True)` does with the method lowered
-    in a forked process) emits the same program as the method itself, but for planned memory
-    offsets (not fixed between processes: see `edge_transfer`); the same outputs."""
+    in a forked process) emits the same program and named data (the delegates' weights, here
+    of the sent method alone) as the method itself, but for planned memory offsets (not fixed
+    between processes: see `edge_transfer`); the same outputs."""
     import pickle
 
     from executorch.exir import EdgeCompileConfig, EdgeProgramManager, ExecutorchBackendConfig
@@ -388,11 +390,14 @@ def test_a_method_lowered_elsewhere_emits_the_same_program():
     from shram_static.export.edge_transfer import edge_program_from_value, edge_program_to_value
     from shram_static.export.partition import xnnpack_partitioner
 
-    mod = _WithTable().eval()
+    mods = {"forward": _WithTable().eval(), "prefill": _WithTable().eval()}
+    with torch.no_grad():  # weights of the sent method alone: its named data must travel too
+        for p in mods["prefill"].parameters():
+            p.mul_(1.5)
     pos = torch.ones(1, dtype=torch.long)
     config = EdgeCompileConfig(_check_ir_validity=False)
     with torch.no_grad():
-        programs = {n: torch.export.export(mod, (torch.randn(b, 8), pos), strict=False)
+        programs = {n: torch.export.export(mods[n], (torch.randn(b, 8), pos), strict=False)
                     for n, b in (("forward", 1), ("prefill", 3))}
     edges = {n: lowering.to_edge_and_lower({n: ep}, xnnpack_partitioner(), {}, config).exported_program(n)
              for n, ep in programs.items()}
@@ -404,7 +409,7 @@ def test_a_method_lowered_elsewhere_emits_the_same_program():
                                   ).to_executorch(ExecutorchBackendConfig(run_reinplace_pass=True)).buffer
 
     here, there = emit(copy.deepcopy(edges["prefill"])), emit(sent)
-    flags = [v.val.requires_grad for v in _without_offsets(here).execution_plan[1].values
+    flags = [v.val.requires_grad for v in _without_offsets(here).program.execution_plan[1].values
              if hasattr(v.val, "requires_grad")]
     assert any(flags)  # the table: what the transfer must keep
     assert _without_offsets(there) == _without_offsets(here)
