@@ -123,12 +123,11 @@ def export_one(model_name: str, backend: str, batch_size: int, prefill_chunk: in
     else:
         files = [export_pte(model, path, batch_size=batch_size, prefill_chunk=prefill_chunk,
                             quantize=EXPORTED[backend][1])]
-    # The export's forked process (export_pte/export_onnx's `parallel`) has a peak of its own;
-    # the pages it shares with this one count in both.
-    forked = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    # (The forked process of a parallel export has a peak of its own, not counted here: Linux
+    # reports a child's `ru_maxrss` from at least the parent's size when it forked.)
     return dict(export_s=round(time.perf_counter() - t, 1),
                 file_mib=round(sum(os.path.getsize(f) for f in files) / 2**20, 1),
-                export_peak_rss_mib=peak_rss_mib(), export_forked_peak_rss_mib=round(forked, 1))
+                export_peak_rss_mib=peak_rss_mib())
 
 
 class Runner:

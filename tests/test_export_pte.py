@@ -369,6 +369,22 @@ def test_export_argument_errors(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+def test_in_place_quantization_takes_an_export_copy_only():
+    """`quantize_weights_` (what `lower_program` runs on its own export copy) refuses a model
+    whose experts are not fused, before changing it, and an unknown mode."""
+    from shram_static.export.pte import export_copy
+    from shram_static.export.quantize import quantize_weights_
+
+    model = tiny_model(num_decoder_layers=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="fused experts"):
+        quantize_weights_(model, "int8")
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        quantize_weights_(export_copy(model), "int4")
+
+
 # Drift against fp32 (dynamic per-token int8 activations on every nn.Linear): each quantized
 # matmul adds a relative error of about 2^-(bits) of its operands' range, and a flipped expert
 # choice moves a token's logits further. The one-layer tiny model's logits are random weights

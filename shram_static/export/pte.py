@@ -39,7 +39,7 @@ from .partition import xnnpack_partitioner
 from .lowering import (delegate_outputs_from_metadata, drop_metadata_asserts, drop_provenance, faster_partitioning,
                        needed_edge_passes_only, needed_xnnpack_passes_only, one_edge_conversion_trace,
                        shared_provenance, to_edge_and_lower)
-from .quantize import QUANTIZE_MODES, quantize_weights
+from .quantize import QUANTIZE_MODES, quantize_weights_
 from .views import state_view_planning, written_cache_views_pass
 
 FORMAT = "shram_static.pte/1"
@@ -211,7 +211,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
     if quantize is not None:
-        model = quantize_weights(model, quantize, embedding=quantize_embedding)
+        model = quantize_weights_(model, quantize, embedding=quantize_embedding)
     B, C = batch_size, 1 if prefill_chunk is None else prefill_chunk
     state = StaticState(cfg, B, C, dtype=dtype)
     step = StepModule(model, state).eval()

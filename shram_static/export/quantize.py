@@ -91,12 +91,30 @@ def quantize_weights(model: nn.Module, mode: str = "int8", embedding: bool = Fal
     Returns:
         The quantized copy.
     """
+    _check_mode(mode)
+    # the experts as the exported step reads them
+    return quantize_weights_(fuse_experts_(copy.deepcopy(model).eval()), mode, embedding)
+
+
+def _check_mode(mode) -> None:
+    if mode not in QUANTIZE_MODES[1:]:
+        raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {mode!r}")
+
+
+def quantize_weights_(q: nn.Module, mode: str = "int8", embedding: bool = False) -> nn.Module:
+    """`quantize_weights` in place, on a copy that owns its weights with its experts fused (an
+    `export_copy`); returns `q`.
+
+    WHY: `lower_program` quantizes its own export copy; copying it again held every float weight
+    a third time while quantizing (the caller's, the export copy's, this copy's).
+    """
     from torchao.quantization.granularity import PerAxis, PerGroup
     from torchao.quantization.quant_api import Int8DynamicActivationIntxWeightConfig, quantize_
 
-    if mode not in QUANTIZE_MODES[1:]:
-        raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {mode!r}")
-    q = fuse_experts_(copy.deepcopy(model).eval())  # the experts as the exported step reads them
+    _check_mode(mode)
+    if not all(isinstance(m.bea, FusedExperts) for m in q.modules() if hasattr(m, "bea")):
+        raise ValueError("quantize_weights_ takes a model with fused experts (export_copy); "
+                         "use quantize_weights on any other")
     if q.lm_head is None:  # tied: the head gets its own nn.Linear, quantized below
         q.lm_head = nn.Linear(q.config.embedding_width, q.config.vocab_size, bias=False, device="meta")
         q.lm_head.weight = nn.Parameter(q.embed_tokens.weight.detach().clone(), requires_grad=False)
