@@ -399,8 +399,10 @@ def test_a_method_lowered_elsewhere_emits_the_same_program():
     with torch.no_grad():
         programs = {n: torch.export.export(mods[n], (torch.randn(b, 8), pos), strict=False)
                     for n, b in (("forward", 1), ("prefill", 3))}
-    edges = {n: lowering.to_edge_and_lower({n: ep}, xnnpack_partitioner(), {}, config).exported_program(n)
-             for n, ep in programs.items()}
+    with lowering.shared_provenance(), lowering.needed_edge_passes_only(), lowering.one_edge_conversion_trace(), \
+            lowering.needed_xnnpack_passes_only(), lowering.faster_partitioning():  # as lower_program
+        edges = {n: lowering.to_edge_and_lower({n: ep}, xnnpack_partitioner(), {}, config).exported_program(n)
+                 for n, ep in programs.items()}
     sent = edge_program_from_value(pickle.loads(pickle.dumps(edge_program_to_value(edges["prefill"]))))
 
     def emit(prefill):
