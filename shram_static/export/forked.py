@@ -51,11 +51,12 @@ def _child(job: Callable, encode: Callable, out_path: str) -> None:
 def run_jobs(jobs: dict, encode: Callable, decode: Callable, parallel: bool = True) -> dict:
     """Runs `jobs` (name -> zero-argument callable) and returns name -> result, in order.
 
-    With `parallel` and `can_fork()`, the first job runs here and each other job in a forked
-    child (at most one per usable CPU at a time); a child's result travels as
-    `encode(result)` (pickled through a file) and comes back as `decode(...)`. A child that fails (an
-    exception, a crash, the kernel's OOM killer) is reported with a warning and its job is
-    run again here, so an error in the job itself is raised with its normal traceback.
+    With `parallel` and `can_fork()`, the first job runs here and the next ones, one per other
+    usable CPU, in forked children (any further jobs run here after the first); a child's
+    result travels as `encode(result)` (pickled through a file) and comes back as
+    `decode(...)`. A child that fails (an exception, a crash, the kernel's OOM killer) is
+    reported with a warning and its job is run again here, so an error in the job itself is
+    raised with its normal traceback.
 
     Args:
         jobs: name -> callable; each must not depend on another job's side effects.
