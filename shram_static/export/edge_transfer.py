@@ -36,28 +36,35 @@ def edge_program_to_value(ep) -> tuple:
     """
     from executorch.exir.serde.serialize import serialize
 
-    lowered, swapped = _lowered_modules(ep), []
-    data = {}
+    lowered, data = _lowered_modules(ep), {}
     try:
         for name, m in lowered.items():
             orig = m.original_module
-            tensors = {k: t for d in (orig.state_dict, orig.constants) for k, t in d.items()
-                       if isinstance(t, torch.Tensor)}
-            data[name] = (m._named_data_store_output, tensors)
-            swapped.append((m, m._named_data_store_output, dict(orig.state_dict), dict(orig.constants)))
+            data[name] = (m._named_data_store_output,
+                          {k: t for d in (orig.state_dict, orig.constants) for k, t in d.items()
+                           if isinstance(t, torch.Tensor)})
             m._named_data_store_output = None
             for d in (orig.state_dict, orig.constants):
                 for k, t in d.items():
                     if isinstance(t, torch.Tensor):
                         meta = t.detach().to("meta")
-                        d[k] = torch.nn.Parameter(meta, t.requires_grad) if isinstance(t, torch.nn.Parameter) else meta
+                        is_param = isinstance(t, torch.nn.Parameter)
+                        d[k] = torch.nn.Parameter(meta, t.requires_grad) if is_param else meta
         art = serialize(ep)
     finally:
-        for m, named, state, consts in swapped:
-            m._named_data_store_output = named
-            m.original_module.state_dict.update(state)
-            m.original_module.constants.update(consts)
+        _put_back(lowered, data)
     return (art.exported_program, art.state_dict, art.constants, art.example_inputs), _grad_flags(ep), data
+
+
+def _put_back(lowered: dict, data: dict) -> None:
+    """Each lowered module's named data and original-module tensors from `data`, in place."""
+    for name, (named, tensors) in data.items():
+        m = lowered[name]
+        m._named_data_store_output = named
+        for d in (m.original_module.state_dict, m.original_module.constants):
+            for k in d:
+                if k in tensors:
+                    d[k] = tensors[k]
 
 
 def edge_program_from_value(value: tuple):
@@ -67,14 +74,7 @@ def edge_program_from_value(value: tuple):
 
     fields, flags, data = value
     ep = deserialize(SerializedArtifact(*fields))
-    for name, m in _lowered_modules(ep).items():
-        named, tensors = data[name]
-        m._named_data_store_output = named
-        orig = m.original_module
-        for d in (orig.state_dict, orig.constants):
-            for k in d:
-                if k in tensors:
-                    d[k] = tensors[k]
+    _put_back(_lowered_modules(ep), data)
     for node in ep.graph.nodes:
         for v, grad in zip(pytree.tree_leaves(node.meta.get("val")), flags.get(node.name, ())):
             if grad and isinstance(v, torch.Tensor) and not v.requires_grad:
