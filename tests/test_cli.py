@@ -205,14 +205,6 @@ def test_export_bad_format_exits_2(tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
-def test_export_decode_only_is_pte_only(tmp_path, capsys):
-    """`--decode-only` leaves out the .pte's prefill method; an .onnx export always has both
-    graphs, so asking for it there is an error before anything is loaded or written."""
-    assert main(["export", "--format", "pte,onnx", "--decode-only", "--out", str(tmp_path / "o")]) == 2
-    assert "--decode-only applies to --format pte" in capsys.readouterr().err
-    assert not (tmp_path / "o").exists()
-
-
 def test_export_quantize_embedding_needs_quantize(tmp_path, capsys):
     """`--quantize-embedding` without `--quantize` is an error before anything is written."""
     assert main(["export", "--format", "pte", "--quantize-embedding", "--out", str(tmp_path / "o")]) == 2
@@ -220,20 +212,21 @@ def test_export_quantize_embedding_needs_quantize(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-def test_export_parallel_flag_reaches_both_exporters(tmp_path, monkeypatch):
-    """`--no-parallel` exports in one process; the default is the two-process export."""
+def test_export_flags_reach_both_exporters(tmp_path, monkeypatch):
+    """`--no-parallel` exports in one process (the default is the two-process export);
+    `--decode-only` writes no prefill step (`prefill_chunk=None`) in either format."""
     import shram_static.export as ex
 
     seen = []
 
     def fake(fmt):
         def export(model, path, **kw):
-            seen.append((fmt, kw["parallel"]))
+            seen.append((fmt, kw["parallel"], kw["prefill_chunk"]))
             return path
         return export
 
     monkeypatch.setattr(ex, "export_pte", fake("pte"))
     monkeypatch.setattr(ex, "export_onnx", fake("onnx"))
-    assert main(["export", "--format", "pte,onnx", "--out", str(tmp_path / "a")]) == 0
-    assert main(["export", "--format", "pte,onnx", "--no-parallel", "--out", str(tmp_path / "b")]) == 0
-    assert seen == [("pte", True), ("onnx", True), ("pte", False), ("onnx", False)]
+    assert main(["export", "--format", "pte,onnx", "--prefill-chunk", "16", "--out", str(tmp_path / "a")]) == 0
+    assert main(["export", "--format", "pte,onnx", "--no-parallel", "--decode-only", "--out", str(tmp_path / "b")]) == 0
+    assert seen == [("pte", True, 16), ("onnx", True, 16), ("pte", False, None), ("onnx", False, None)]

@@ -16,7 +16,6 @@ from shram_static import StaticDecoder
 from shram_static.export import ExportFormatError, export_onnx, load_onnx
 from shram_static.export.onnx import graph_paths
 
-CHUNK = 5
 # The golden case (batch 2) whose export, with an EOS, is shared by its golden check and by
 # every test of the graph contract below: one export fewer.
 SHARED_CASE = "main_basic"
@@ -40,13 +39,24 @@ def test_golden_on_the_shared_export(builtin):
 
 @pytest.mark.parametrize("name", [c for c in GOLDEN_CASES if c != SHARED_CASE])
 def test_golden_logits_and_greedy(name, tmp_path):
+    """Decode-only exports (the prompts go token by token through the decode graph; the prefill
+    graph is checked on the shared export): golden logits and tokens. A prefill graph an
+    earlier export left at the same path is removed; without its data file nothing loads."""
     model, g = golden_case(name)
     B = g["input_ids"].shape[0]
-    paths = export_onnx(model, tmp_path / "m.onnx", batch_size=B, prefill_chunk=CHUNK)
+    stale = graph_paths(tmp_path / "m.onnx")["prefill"]
+    with open(stale, "wb") as f:
+        f.write(b"an earlier export's prefill graph")
+    paths = export_onnx(model, tmp_path / "m.onnx", batch_size=B, prefill_chunk=None)
+    assert sorted(paths) == ["data", "decode"] and not os.path.exists(stale)
     dec = load_onnx(paths["decode"])
+    assert dec.prefill_chunk == 1 and list(dec._graphs) == ["decode"]
     err, tokens = golden_run(dec, g)
     assert err <= 1e-3, f"{name}: max abs logit error {err}"
     assert torch.equal(tokens, g["greedy_tokens"]), f"{name}: {tokens} != {g['greedy_tokens']}"
+    os.remove(paths["data"])
+    with pytest.raises(FileNotFoundError, match="data"):
+        load_onnx(paths["decode"])
 
 
 def test_graph_contract(builtin):

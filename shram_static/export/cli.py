@@ -19,8 +19,6 @@ def export_main(args) -> int:
     bad = [f for f in formats if f not in FORMATS]
     if bad or not formats:
         raise ValueError(f"--format takes a comma-separated subset of {FORMATS}, got {args.format!r}")
-    if args.decode_only and formats != ["pte"]:
-        raise ValueError("--decode-only applies to --format pte (an .onnx export always has both graphs)")
     if args.quantize_embedding and not args.quantize:
         raise ValueError("--quantize-embedding applies with --quantize (int8 or 8da4w)")
     model, tok = load_model_and_tokenizer(args.checkpoint)
@@ -49,7 +47,8 @@ def export_main(args) -> int:
             if args.quantize:
                 info("note: --quantize applies to .pte only; the .onnx stays fp32")
             paths = export_onnx(model, f"{stem}.onnx", batch_size=args.batch_size,
-                                prefill_chunk=args.prefill_chunk, eos_token_id=eos, parallel=args.parallel)
+                                prefill_chunk=None if args.decode_only else args.prefill_chunk,
+                                eos_token_id=eos, parallel=args.parallel)
             path = paths["decode"] if isinstance(paths, dict) else paths
         info(f"wrote {path} in {time.perf_counter() - t:.0f} s")
         print(path)
@@ -65,8 +64,8 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--prefill-chunk", type=int, default=32)
     p.add_argument("--decode-only", action="store_true",
-                   help="write no prefill method (.pte only): prompts run token by token through the "
-                        "decode step, as ExecuTorch's stock runner does; half the lowering work")
+                   help="write no prefill step (.pte method, .onnx graph): prompts run token by token "
+                        "through the decode step, as ExecuTorch's stock runner does; half the export work")
     p.add_argument("--quantize", choices=["int8", "8da4w"], default=None,
                    help="int8: int8 weights per channel; 8da4w: int4 weights in groups of 32 (.pte only)")
     p.add_argument("--quantize-embedding", action="store_true",

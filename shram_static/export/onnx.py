@@ -2,7 +2,8 @@
 
 Files for `export_onnx(model, "m.onnx", ...)`:
   * `m.onnx`: the decode graph (C = 1), a complete model on its own;
-  * `m.prefill.onnx`: the prefill graph (C = prefill_chunk);
+  * `m.prefill.onnx`: the prefill graph (C = prefill_chunk); none with `prefill_chunk=None`
+    (decode only: prompts then go token by token through the decode graph);
   * `m.onnx.data`: the weights of both, stored once (external data, deduplicated by content).
 Each graph is `(input_ids [B, C] int64, position_ids [B] int64, live [B, C] bool,
 past.<name>...) -> (logits [B, C, V], present.<name>...)` over the state tensors of
@@ -101,7 +102,7 @@ def _externalize(models: list, data_path: str, min_bytes: int = 1024) -> None:
                 t.ClearField("raw_data")
 
 
-def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int = 32,
+def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32,
                 eos_token_id: int | None = None, *, parallel: bool = True) -> dict[str, str]:
     """Writes the decode and prefill graphs and their shared weights (see module docstring).
 
@@ -109,38 +110,40 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int = 32,
         model: a `ShramForCausalLM` (not modified).
         path: the decode graph's path, `m.onnx`; `m.prefill.onnx` and `m.onnx.data` go beside it.
         batch_size: B rows per call.
-        prefill_chunk: C tokens per prefill call.
+        prefill_chunk: C tokens per prefill call; None writes no prefill graph (decode only,
+            half the export work) and removes a `m.prefill.onnx` an earlier export left there.
         eos_token_id: stored in the metadata; the loaded decoder's `generate` stops on it.
         parallel: export the decode graph in a forked process while this one exports the
             prefill graph (Linux, two or more usable CPUs; the same graphs; up to twice the
             peak memory). False: one process.
 
     Returns:
-        The paths written, as `graph_paths(path)`.
+        The paths written, as `graph_paths(path)` (without "prefill" when decode only).
     """
     import onnx
 
     cfg: ShramConfig = model.config
     if not isinstance(parallel, bool):
         raise TypeError(f"parallel must be a bool, got {parallel!r}")
-    check_export_args(cfg, batch_size, prefill_chunk, eos_token_id)
+    C = 1 if prefill_chunk is None else prefill_chunk
+    check_export_args(cfg, batch_size, C, eos_token_id)
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
-    state = StaticState(cfg, batch_size, prefill_chunk, dtype=dtype)
+    state = StaticState(cfg, batch_size, C, dtype=dtype)
     fn = FunctionalStep(model, state).eval()
     paths = graph_paths(path)
     os.makedirs(os.path.dirname(os.path.abspath(paths["decode"])), exist_ok=True)
     export_id = uuid.uuid4().hex  # ties the files of one export together
     # With `parallel`, the decode graph is exported in a forked process while this one exports
     # the (larger) prefill graph (shram_static/export/forked.py); a graph travels back as bytes.
-    chunks = {"decode": 1, "prefill": prefill_chunk}
-    jobs = {role: functools.partial(_export_graph, fn, state, chunks[role]) for role in ("prefill", "decode")}
+    chunks = {"decode": 1} if prefill_chunk is None else {"decode": 1, "prefill": C}
+    jobs = {role: functools.partial(_export_graph, fn, state, chunks[role]) for role in reversed(chunks)}
     protos = run_jobs(jobs, lambda m: m.SerializeToString(), onnx.ModelProto.FromString, parallel)
     models = {}
-    for role, C in chunks.items():
+    for role, c in chunks.items():
         m = protos[role]
-        meta = {"format": FORMAT, "role": role, "export_id": export_id, "batch_size": batch_size,
-                "prefill_chunk": prefill_chunk, "chunk": C, "state_names": state.names(),
+        meta = {"format": FORMAT, "role": role, "roles": list(chunks), "export_id": export_id,
+                "batch_size": batch_size, "prefill_chunk": C, "chunk": c, "state_names": state.names(),
                 "eos_token_id": eos_token_id, "dtype": str(dtype).replace("torch.", "")}
         onnx.helper.set_model_props(m, {"shram_config": cfg.to_json_string(use_diff=False),
                                          "shram_export": json.dumps(meta)})
@@ -150,7 +153,9 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int = 32,
         onnx.save(m, paths[role])
         # the path form of the checker also reads the external data file
         onnx.checker.check_model(paths[role], full_check=True)
-    return paths
+    if prefill_chunk is None and os.path.exists(paths["prefill"]):
+        os.remove(paths["prefill"])  # another export's graph: it must not pass for this one's
+    return {role: paths[role] for role in (*chunks, "data")}
 
 
 # ----------------------------------------------------------------------------------------
@@ -218,7 +223,8 @@ class OnnxDecoder(HostDecoder):
     `inplace=False`, which alternates two state sets).
 
     Args:
-        path: the decode graph `m.onnx` (`m.prefill.onnx` and `m.onnx.data` beside it).
+        path: the decode graph `m.onnx` (`m.prefill.onnx` and `m.onnx.data` beside it; a
+            decode-only export has no prefill graph and feeds prompts token by token).
         inplace: alias outputs to inputs (fast) or alternate two state sets (reference).
         threads: onnxruntime intra-op threads (default: onnxruntime's choice).
     """
@@ -226,26 +232,29 @@ class OnnxDecoder(HostDecoder):
     def __init__(self, path, inplace: bool = True, threads: int | None = None):
         import onnxruntime as ort
         paths = graph_paths(path)
-        for role in ("decode", "prefill", "data"):
-            if not os.path.isfile(paths[role]):
-                raise FileNotFoundError(f"ONNX export file {paths[role]!r} does not exist (an export "
-                                        f"of m.onnx is m.onnx, m.prefill.onnx and m.onnx.data)")
+        _need_file(paths["decode"])
         cfg_d, meta = _read_meta(paths["decode"])
-        _, meta_p = _read_meta(paths["prefill"])
-        if meta.get("role") != "decode" or meta_p.get("role") != "prefill":
-            raise ExportFormatError(f"{paths['decode']} / {paths['prefill']} hold roles "
-                                    f"{meta.get('role')!r} / {meta_p.get('role')!r}, expected decode / prefill")
-        if meta_p.get("export_id") != meta.get("export_id"):
-            raise ExportFormatError(f"{paths['prefill']} comes from another export than {paths['decode']} "
-                                    f"(export ids differ): re-export both")
+        if meta.get("role") != "decode":
+            raise ExportFormatError(f"{paths['decode']} holds the {meta.get('role')!r} graph, expected decode")
+        roles = meta.get("roles", ["decode", "prefill"])  # absent: written before decode-only exports
+        for role in (*roles[1:], "data"):
+            _need_file(paths[role])
+        if "prefill" in roles:
+            _, meta_p = _read_meta(paths["prefill"])
+            if meta_p.get("role") != "prefill":
+                raise ExportFormatError(f"{paths['prefill']} holds the {meta_p.get('role')!r} graph, "
+                                        f"expected prefill")
+            if meta_p.get("export_id") != meta.get("export_id"):
+                raise ExportFormatError(f"{paths['prefill']} comes from another export than "
+                                        f"{paths['decode']} (export ids differ): re-export both")
         config = ShramConfig.from_dict(cfg_d)
         super().__init__(config, meta["batch_size"], meta["prefill_chunk"], meta.get("eos_token_id"))
         self.paths, self.meta, self.inplace = paths, meta, inplace
         self.names = list(meta["state_names"])
-        self._graphs = {"decode": _Graph(paths["decode"], threads), "prefill": _Graph(paths["prefill"], threads)}
+        self._graphs = {role: _Graph(paths[role], threads) for role in roles}
         B, C, V = self.batch_size, self.prefill_chunk, config.vocab_size
-        for role, c in (("decode", 1), ("prefill", C)):
-            g = self._graphs[role]
+        for role, g in self._graphs.items():
+            c = 1 if role == "decode" else C
             if g.inputs["input_ids"].shape != [B, c] or list(g.logits.shape) != [B, c, V]:
                 raise ExportFormatError(f"{paths[role]} takes input_ids {g.inputs['input_ids'].shape} and "
                                         f"returns logits {list(g.logits.shape)}, but its config says "
@@ -281,6 +290,12 @@ class OnnxDecoder(HostDecoder):
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Current state as numpy arrays by name (views of the live buffers)."""
         return dict(zip(self.names, self._arrays[0]))
+
+
+def _need_file(path: str) -> None:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"ONNX export file {path!r} does not exist (an export of m.onnx is m.onnx, "
+                                f"m.prefill.onnx unless decode only, and m.onnx.data)")
 
 
 def load_onnx(path, inplace: bool = True, threads: int | None = None) -> OnnxDecoder:
