@@ -4,16 +4,24 @@ Fixed-shape state, branchless prefill/decode steps that compile with
 `torch.compile(fullgraph=True)` and export to ExecuTorch and ONNX.
 """
 
-from transformers import AutoConfig, AutoModelForCausalLM
+from .console import quiet_loggers
 
-from .config import ShramConfig
-from .decoder import StaticDecoder
-from .host import CapacityError, HostDecoder
-from .model import CausalLMOutput, ShramForCausalLM
-from .cache import ShramCache
-from .generation import TextTokenStreamer
-from .checkpoint import CheckpointError
-from .state import StaticState, state_bytes
+# WHY quiet: importing transformers' model classes imports torchao (its quantizer registry),
+# which on a CPU-only torch logs a warning for each CUDA kernel library it cannot load, and
+# registers Enums that torch 2.13 logs as deprecated: four warnings before any output of ours,
+# about nothing this package uses. Only records of those two loggers during these imports are
+# dropped.
+with quiet_loggers("torchao", "torch.utils._pytree"):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .config import ShramConfig
+    from .decoder import StaticDecoder
+    from .host import CapacityError, HostDecoder
+    from .model import CausalLMOutput, ShramForCausalLM
+    from .cache import ShramCache
+    from .generation import TextTokenStreamer
+    from .checkpoint import CheckpointError
+    from .state import StaticState, state_bytes
 
 # Auto classes: `AutoConfig/AutoModelForCausalLM.from_pretrained(dir)` load a SHRAM checkpoint
 # (also one written by the original code, whose `auto_map` points at remote code) into this

@@ -1,8 +1,30 @@
 """Progress and status lines of the commands: to stderr, flushed, so stdout stays the result."""
 
+import contextlib
+import logging
 import sys
 
 
 def info(msg: str) -> None:
     """Prints one status line to stderr (flushed at once)."""
     print(msg, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def quiet_loggers(*names: str, level: int = logging.ERROR):
+    """Within the block, the named loggers drop records below `level`; their levels are
+    restored afterwards (other loggers and later records are untouched).
+
+    Args:
+        names: logger names, e.g. "torchao".
+        level: the lowest level still emitted.
+    """
+    loggers = [logging.getLogger(n) for n in names]
+    saved = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(level)
+    try:
+        yield
+    finally:
+        for lg, lv in zip(loggers, saved):
+            lg.setLevel(lv)

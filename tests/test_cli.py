@@ -64,6 +64,8 @@ def test_module_error_exits_2(tmp_path):
     err = r.stderr.decode().strip().splitlines()
     assert err[-1].startswith("error: ") and "missing" in err[-1]
     assert b"Traceback" not in r.stderr and r.stdout == b""
+    # the progress line and the error, nothing logged by third-party imports before them
+    assert err == [f"loading {tmp_path / 'missing'} ...", err[-1]], err
 
 
 def test_installed_entry_point(builtin_expected):
