@@ -181,10 +181,11 @@ def test_builtin_model_is_deterministic_and_not_degenerate(capsys):
 
 
 def test_export_onnx_command_writes_loadable_artifacts(tmp_path, capsys):
-    """`shram-static export --format onnx` writes the graphs and tokenizer.json; the loaded
-    graphs generate what StaticDecoder generates. On the test-local tiny model (the shape of the
-    first built-in model): exporting the trained built-in model (4 layers, capacity 1024) takes
-    minutes on 2 busy cores."""
+    """`shram-static export --format onnx --decode-only` writes the decode graph, its data and
+    tokenizer.json (no prefill graph); the loaded graph generates what StaticDecoder generates.
+    On the test-local tiny model (the shape of the first built-in model): exporting the trained
+    built-in model (4 layers, capacity 1024) takes minutes on 2 busy cores. Both graphs of an
+    ONNX export: tests/test_export_onnx.py."""
     from helpers import tiny_model
 
     from shram_static import StaticDecoder
@@ -192,11 +193,12 @@ def test_export_onnx_command_writes_loadable_artifacts(tmp_path, capsys):
 
     out, ckpt = tmp_path / "out", tmp_path / "tiny"
     tiny_model().save_pretrained(ckpt)
-    assert main(["export", "--format", "onnx", "--checkpoint", str(ckpt), "--prefill-chunk", "8",
+    assert main(["export", "--format", "onnx", "--checkpoint", str(ckpt), "--decode-only",
                  "--out", str(out)]) == 0
     written = capsys.readouterr().out.split()
     assert written == [str(out / "model.onnx")]
-    assert (out / "tokenizer.json").is_file() and (out / "model.prefill.onnx").is_file()
+    assert [f for f in sorted(os.listdir(out)) if f.startswith("model")] == ["model.onnx", "model.onnx.data"]
+    assert (out / "tokenizer.json").is_file()
     ids = torch.tensor([ByteTokenizer().encode("Hi there")])
     want = StaticDecoder(ShramForCausalLM.from_pretrained(ckpt), prefill_chunk=8).generate(ids, max_new_tokens=6)
     assert torch.equal(load_onnx(str(out / "model.onnx")).generate(ids, max_new_tokens=6), want)
