@@ -2,8 +2,6 @@
 (eager on a tiny checkpoint: speed itself is never asserted; the benchmark reports it)."""
 
 import json
-import subprocess
-import sys
 
 
 from helpers import TINY_CONFIG, randomize_
@@ -58,17 +56,21 @@ def test_contexts_span_to_near_capacity():
     assert contexts(100, 8) == [25, 50, 64, 75, 91]
 
 
-def test_bench_command_writes_json_and_plot(tmp_path):
+def test_bench_command_writes_json_and_plot(tmp_path, capsys):
+    """The command in this process (its workers are subprocesses, as always): one interpreter
+    start fewer than `python -m shram_static bench`; tests/test_cli.py runs the module entry point
+    (`generate`), which dispatches every command alike."""
+    from shram_static.cli import main
+
     ckpt = tmp_path / "ckpt"
     # one layer, capacity 128: the command's plumbing, not the model, is under test
     cfg = ShramConfig(**dict(TINY_CONFIG, num_decoder_layers=1, training_sequence_length=128))
     randomize_(ShramForCausalLM(cfg), 0).save_pretrained(ckpt)
     out, png = tmp_path / "b.json", tmp_path / "b.png"
-    p = subprocess.run([sys.executable, "-m", "shram_static", "bench", "--models", str(ckpt),
-                        "--backends", "eager", "--batch-sizes", "1", "2", "--steps", "2", "--rounds", "2",
-                        "--prefill-chunk", "8", "--json", str(out), "--plot", str(png)],
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-2000:]
+    code = main(["bench", "--models", str(ckpt), "--backends", "eager", "--batch-sizes", "1", "2",
+                 "--steps", "2", "--rounds", "2", "--prefill-chunk", "8", "--json", str(out), "--plot", str(png)])
+    p = capsys.readouterr()
+    assert code == 0, p.err[-2000:]
     res = json.loads(out.read_text())
     assert res["bandwidth_bytes_s"] > 0 and [r["batch"] for r in res["results"]] == [1, 2]
     for r in res["results"]:
@@ -78,7 +80,7 @@ def test_bench_command_writes_json_and_plot(tmp_path):
         # the worker's own peak (it never holds the parent's 1 GiB bandwidth buffer)
         assert 0 < r["peak_rss_mib"] < 1024, r["peak_rss_mib"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "eager B=1" in p.stdout and "eager B=2" in p.stdout
+    assert "eager B=1" in p.out and "eager B=2" in p.out
 
 
 def test_bench_rejects_an_unknown_model(capsys, tmp_path):
