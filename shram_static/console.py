@@ -3,6 +3,7 @@
 import contextlib
 import logging
 import sys
+import warnings
 
 
 def info(msg: str) -> None:
@@ -28,3 +29,17 @@ def quiet_loggers(*names: str, level: int = logging.ERROR):
     finally:
         for lg, lv in zip(loggers, saved):
             lg.setLevel(lv)
+
+
+@contextlib.contextmanager
+def quiet_warnings(category: type[Warning], message: str):
+    """Within the block, warnings of `category` whose text starts with the regex `message` are
+    not shown (`warnings.catch_warnings`: the filters are restored afterwards).
+
+    Args:
+        category: the warning class, e.g. FutureWarning.
+        message: a regular expression matched at the start of the warning text.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=message, category=category)
+        yield

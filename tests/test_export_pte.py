@@ -83,11 +83,13 @@ def builtin(tmp_path_factory):
     """(path, ExecutorchProgramManager, model) of the SHARED_CASE golden model, batch 1, chunk 8.
 
     Lowered as `export_pte` does by default: the decode method in a forked process where the
-    machine allows; a failed child (whose method would be lowered again here) is an error."""
+    machine allows; a failed child (whose method would be lowered again here) is an error, and so
+    is torch's LeafSpec notice, which lowering drops (in either process)."""
     model, _ = golden_case(SHARED_CASE)
     received = pte.edge_program_from_value
     with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
         warnings.filterwarnings("error", message="the parallel process", category=RuntimeWarning)
+        warnings.filterwarnings("error", message=pte.LEAFSPEC_NOTICE, category=FutureWarning)
         mp.setattr(pte, "edge_program_from_value", lambda v: TRANSFERRED.append(1) or received(v))
         et = lower_program(model, batch_size=1, prefill_chunk=8, eos_token_id=EOS, bos_token_id=BOS)
     path = tmp_path_factory.mktemp("pte") / "builtin.pte"
