@@ -3,6 +3,7 @@
 
 import json
 
+import pytest
 
 from helpers import TINY_CONFIG, randomize_
 from shram_static import ShramConfig, ShramForCausalLM
@@ -56,6 +57,7 @@ def test_contexts_span_to_near_capacity():
     assert contexts(100, 8) == [25, 50, 64, 75, 91]
 
 
+@pytest.mark.heavy
 def test_bench_command_writes_json_and_plot(tmp_path, capsys):
     """The command in this process (its workers are subprocesses, as always): one interpreter
     start fewer than `python -m shram_static bench`; tests/test_cli.py runs the module entry point

@@ -6,6 +6,7 @@ import json
 import math
 import os
 
+import pytest
 import torch
 from helpers import DATA
 
@@ -31,6 +32,7 @@ def test_builtin_model_config_and_size():
         assert os.path.isfile(os.path.join(BUILTIN_DIR, name)), name
 
 
+@pytest.mark.heavy
 def test_builtin_model_matches_its_recorded_validation_loss():
     r = evaluate(HAMLET, backend="eager", progress=False)
     want = EXPECTED["hamlet_slice"]

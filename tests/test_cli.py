@@ -57,6 +57,7 @@ def test_module_generate(builtin_expected):
     assert b"Traceback" not in r.stderr
 
 
+@pytest.mark.heavy
 def test_module_error_exits_2(tmp_path):
     r = _run(sys.executable, "-m", "shram_static", "generate", "--prompt", "Hello",
              "--checkpoint", str(tmp_path / "missing"))
@@ -159,6 +160,7 @@ def test_help_lists_subcommands(capsys):
     assert "generate" in out and "bench" in out
 
 
+@pytest.mark.heavy
 def test_builtin_model_is_deterministic_and_not_degenerate(capsys):
     """The built-in model is the trained one shipped as package data: identical on every call,
     no global RNG use, and `generate --prompt "ROMEO:"` prints English-looking text."""
@@ -180,6 +182,7 @@ def test_builtin_model_is_deterministic_and_not_degenerate(capsys):
     assert len(common & set(text.lower().replace(",", " ").replace(".", " ").split())) >= 3, text
 
 
+@pytest.mark.heavy
 def test_export_onnx_command_writes_loadable_artifacts(tmp_path, capsys):
     """`shram-static export --format onnx --decode-only` writes the decode graph, its data and
     tokenizer.json (no prefill graph); the loaded graph generates what StaticDecoder generates.

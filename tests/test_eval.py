@@ -57,6 +57,7 @@ def test_eval_equals_the_uncached_forward(tiny_ckpt, tmp_path):
     assert r["bytes"] == 50 and r["nll"] == pytest.approx(hand_nll(model, data[:50], 256), abs=1e-5)
 
 
+@pytest.mark.heavy
 def test_window_boundaries_change_little():
     """The trained built-in model on 2 KB of a validation work: 1024- and 512-byte windows agree
     to within 0.05 bits per byte (fresh context at each boundary costs little)."""

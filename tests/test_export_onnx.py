@@ -42,6 +42,7 @@ def test_golden_on_the_shared_export(builtin):
     assert torch.equal(tokens, g["greedy_tokens"]), f"{tokens} != {g['greedy_tokens']}"
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", [c for c in GOLDEN_CASES if c != SHARED_CASE])
 def test_golden_logits_and_greedy(name, tmp_path):
     """Decode-only exports (the prompts go token by token through the decode graph; the prefill

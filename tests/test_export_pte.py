@@ -115,6 +115,7 @@ def test_shared_program_lowered_in_two_processes(builtin):
     assert len(TRANSFERRED) == 1
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", [c for c in GOLDEN_CASES if c != SHARED_CASE])
 def test_golden_logits_and_greedy(name, tmp_path):
     model, g = golden_case(name)
@@ -460,6 +461,7 @@ def test_8da4w_keeps_int8_where_groups_do_not_fit():
         assert torch.equal(m4(x), m8(x)) != int4, name
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mode,embedding", [("int8", False), ("8da4w", True)])
 def test_quantized_program(tmp_path, mode, embedding):
     """Drift of a lowered quantized program against fp32 (eager: the fp32 program equals it to

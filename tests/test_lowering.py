@@ -11,6 +11,7 @@ import importlib
 import types
 import unittest.mock
 
+import pytest
 import torch
 
 
@@ -92,6 +93,7 @@ def test_shared_provenance_is_scoped():
     assert copy.deepcopy(ns) is not ns and "__deepcopy__" not in NodeSource.__dict__
 
 
+@pytest.mark.heavy
 def test_onnx_rule_skip_keeps_the_optimized_graph():
     """Without the skipped rewrite rules the exporter's optimizer makes the same graph (op for
     op) from a SHRAM step, here the chunk step of the tiny model cut to one layer (every layer
@@ -246,6 +248,7 @@ def _lower(fast: bool, calls: list | None = None, passes: list | None = None,
         return edge.to_executorch(ExecutorchBackendConfig(run_reinplace_pass=True)).buffer
 
 
+@pytest.mark.heavy
 def test_lowering_speedups_give_the_stock_program(caplog):
     """One decomposition per method, gated edge and XNNPACK passes, one trace for the per-op
     edge conversions, delegate outputs from metadata and linear-time partitioning write the

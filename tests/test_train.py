@@ -189,6 +189,7 @@ def test_train_errors(tmp_path, capsys):
         assert err[-1].startswith("error: ") and words in err[-1], err
 
 
+@pytest.mark.heavy
 def test_torchrun_two_processes_follow_one(tmp_path):
     """Same global batch on 2 gloo ranks (2 rows each) as on 1 process (4 rows): same curve."""
     run_train(tmp_path / "one", "--steps", "6", "--eval-every", "100")
