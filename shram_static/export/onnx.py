@@ -28,12 +28,12 @@ import numpy as np
 import torch
 
 from ..config import ShramConfig
+from ..console import quiet_warnings
 from ..host import HostDecoder
 from ..state import StaticState
 from ..step import FunctionalStep
 from .forked import run_jobs
 from .lowering import without_onnx_rewrite_rules
-from ..console import quiet_warnings
 from .pte import LEAFSPEC_NOTICE, ExportFormatError, check_export_args, export_copy
 
 FORMAT = "shram_static.onnx/1"
@@ -238,7 +238,7 @@ class OnnxDecoder(HostDecoder):
         if meta.get("role") != "decode":
             raise ExportFormatError(f"{paths['decode']} holds the {meta.get('role')!r} graph, expected decode")
         roles = meta.get("roles", ["decode", "prefill"])  # absent: written before decode-only exports
-        for role in (*roles[1:], "data"):
+        for role in [r for r in roles if r != "decode"] + ["data"]:
             _need_file(paths[role])
         if "prefill" in roles:
             _, meta_p = _read_meta(paths["prefill"])
