@@ -254,6 +254,9 @@ def measure_interleaved(workers: list, rounds: int, bandwidth=None, progress=Non
     at a context are measured minutes apart at most, on a machine whose speed drifts (the
     readings of one backend run minutes apart varied by 40% here). Each worker's decode time at
     a context is the median of all its timed steps over the rounds; prefill, the median prefill.
+    `decode_ms_best` is the lowest of the rounds' own medians: on a machine shared with other
+    work, noise only adds time, and a step of hundreds of small parallel operators (a `.pte`)
+    loses far more to a busy stretch than a few large ones (export/probes/README.md, section 14).
 
     Args:
         workers: objects with `.contexts` (list of ints) and `.measure(ctx) -> dict(prefill_s,
@@ -264,13 +267,14 @@ def measure_interleaved(workers: list, rounds: int, bandwidth=None, progress=Non
         progress: called with a line of text after each round.
 
     Returns:
-        (points per worker: [dict(context, prefill_tok_s, decode_ms, decode_tok_s)], readings).
+        (points per worker: [dict(context, prefill_tok_s, decode_ms, decode_ms_best,
+        decode_tok_s)], readings).
     """
     points = [[] for _ in workers]
     readings = []
     depth = max(len(w.contexts) for w in workers)
     for i in range(depth):
-        got = [dict(prefill=[], decode=[]) for _ in workers]
+        got = [dict(prefill=[], decode=[], rounds=[]) for _ in workers]
         for r in range(rounds):
             if bandwidth is not None:
                 readings.append(bandwidth())
@@ -279,6 +283,7 @@ def measure_interleaved(workers: list, rounds: int, bandwidth=None, progress=Non
                     m = w.measure(w.contexts[i])
                     g["prefill"].append(m["prefill_s"])
                     g["decode"].extend(m["decode_s"])
+                    g["rounds"].append(statistics.median_high(m["decode_s"]))
             if progress is not None:
                 progress(f"context index {i + 1}/{depth}, round {r + 1}/{rounds} done")
         for w, g, pts in zip(workers, got, points):
@@ -286,22 +291,27 @@ def measure_interleaved(workers: list, rounds: int, bandwidth=None, progress=Non
                 ctx, B = w.contexts[i], w.info["batch"]
                 med, pre = statistics.median_high(g["decode"]), statistics.median_high(g["prefill"])
                 pts.append(dict(context=ctx, prefill_tok_s=round(B * ctx / pre, 1),
-                                decode_ms=round(1e3 * med, 3), decode_tok_s=round(B / med, 1)))
+                                decode_ms=round(1e3 * med, 3), decode_ms_best=round(1e3 * min(g["rounds"]), 3),
+                                decode_tok_s=round(B / med, 1)))
     return points, readings
 
 
 def add_ratios(results: list[dict], bandwidth: float) -> None:
     """Adds the floor and, per context point, `x_floor` = decode time / floor (1 is the ideal)
     and `x_compiled` = decode speed / compiled torch's at the same model, batch size and context
-    (above 1: faster than compiled torch; None without a compiled result)."""
+    (above 1: faster than compiled torch; None without a compiled result); `x_compiled_best`,
+    the same from both backends' best rounds (`measure_interleaved`)."""
     compiled = {(r["model"], r["batch"]): r for r in results if r["backend"] == "compiled"}
     for r in results:
         r["floor_ms"] = round(1e3 * r["read_bytes"] / bandwidth, 3)
         ref = compiled.get((r["model"], r["batch"]))
-        ref_ms = {p["context"]: p["decode_ms"] for p in ref["points"]} if ref else {}
+        ref_pts = {p["context"]: p for p in ref["points"]} if ref else {}
         for p in r["points"]:
             p["x_floor"] = round(p["decode_ms"] / r["floor_ms"], 2)
-            p["x_compiled"] = round(ref_ms[p["context"]] / p["decode_ms"], 2) if p["context"] in ref_ms else None
+            q = ref_pts.get(p["context"])
+            p["x_compiled"] = round(q["decode_ms"] / p["decode_ms"], 2) if q else None
+            p["x_compiled_best"] = (round(q["decode_ms_best"] / p["decode_ms_best"], 2)
+                                    if q and "decode_ms_best" in q and "decode_ms_best" in p else None)
 
 
 def _subprocess(args: list[str]) -> dict:
@@ -371,7 +381,9 @@ def bench(args) -> int:
 
 def format_row(r: dict) -> str:
     a, z = r["points"][0], r["points"][-1]
-    ratio = lambda p: (f", {p['x_compiled']:.2f}x compiled's speed" if p["x_compiled"] is not None else "")  # noqa: E731
+    ratio = lambda p: (f", {p['x_compiled']:.2f}x compiled's speed (best rounds {p['x_compiled_best']:.2f}x)"  # noqa: E731
+                       if p["x_compiled"] is not None and p.get("x_compiled_best") is not None
+                       else f", {p['x_compiled']:.2f}x compiled's speed" if p["x_compiled"] is not None else "")
     built = (f"export {r['export_s']:.0f} s, file {r['file_mib']:.1f} MiB" if "export_s" in r
              else f"warm-up {r['warmup_s']:.1f} s")
     return (f"{r['model']:>7} {r['backend']:>8} B={r['batch']}: decode {a['decode_ms']:.2f} ms "

@@ -10,9 +10,11 @@ from shram_static import ShramConfig, ShramForCausalLM
 from shram_static.bench import add_ratios, contexts, measure_interleaved
 
 
-def _result(backend, ms, model="m", batch=1, read_bytes=2_000_000):
-    return dict(model=model, backend=backend, batch=batch, read_bytes=read_bytes,
-                points=[dict(context=64, decode_ms=ms[0]), dict(context=200, decode_ms=ms[1])])
+def _result(backend, ms, model="m", batch=1, read_bytes=2_000_000, best=None):
+    points = [dict(context=64, decode_ms=ms[0]), dict(context=200, decode_ms=ms[1])]
+    for p, b in zip(points, best or ()):
+        p["decode_ms_best"] = b
+    return dict(model=model, backend=backend, batch=batch, read_bytes=read_bytes, points=points)
 
 
 def test_ratios_are_against_the_same_model_batch_and_context():
@@ -23,6 +25,12 @@ def test_ratios_are_against_the_same_model_batch_and_context():
     assert [p["x_compiled"] for p in rs[1]["points"]] == [0.67, 2.0]  # speed: compiled ms / pte ms
     assert [p["x_floor"] for p in rs[1]["points"]] == [1.5, 1.0]
     assert [p["x_compiled"] for p in rs[2]["points"]] == [None, None]  # no compiled run at B=4
+    assert [p["x_compiled_best"] for p in rs[1]["points"]] == [None, None]  # no best rounds given
+    # the best-round ratio pairs each backend's own quietest round
+    rs = [_result("compiled", (2.0, 4.0), best=(1.5, 3.0)), _result("pte", (3.0, 2.0), best=(1.5, 1.0))]
+    add_ratios(rs, bandwidth=1e9)
+    assert [p["x_compiled"] for p in rs[1]["points"]] == [0.67, 2.0]
+    assert [p["x_compiled_best"] for p in rs[1]["points"]] == [1.0, 3.0]
 
 
 class _Fake:
@@ -38,7 +46,8 @@ class _Fake:
 
 def test_measurements_interleave_backends_round_by_round():
     """At each context every backend runs once per round, in turn; the decode figure is the
-    median over all rounds' steps, prefill the median prefill."""
+    median over all rounds' steps, prefill the median prefill; the best round is the lowest of
+    the rounds' own medians."""
     log, reads = [], []
     a = _Fake("a", [64, 128], 1, log, [[0.010, 0.012], [0.011, 0.013], [0.020], [0.030], [0.040], [0.050]])
     b = _Fake("b", [64], 4, log, [[0.001], [0.002], [0.003], [0.004], [0.005]])
@@ -50,6 +59,8 @@ def test_measurements_interleave_backends_round_by_round():
     assert points[0][1]["decode_ms"] == 30.0  # median of 20, 30
     assert points[1][0]["decode_ms"] == 2.0 and points[1][0]["decode_tok_s"] == 2000.0  # B=4 rows
     assert points[0][0]["prefill_tok_s"] == 100.0 and points[1][0]["prefill_tok_s"] == 400.0
+    # rounds' medians: a@64 12 and 13 ms, a@128 20 and 30, b@64 1 and 2
+    assert [p["decode_ms_best"] for p in points[0]] == [12.0, 20.0] and points[1][0]["decode_ms_best"] == 1.0
 
 
 def test_contexts_span_to_near_capacity():
@@ -78,6 +89,7 @@ def test_bench_command_writes_json_and_plot(tmp_path, capsys):
     for r in res["results"]:
         assert [q["context"] for q in r["points"]] == contexts(128, 2)
         assert all(q["decode_ms"] > 0 and q["x_floor"] > 0 and q["x_compiled"] is None for q in r["points"])
+        assert all(q["decode_ms_best"] > 0 and q["x_compiled_best"] is None for q in r["points"])
         assert r["floor_ms"] > 0
         # the worker's own peak (it never holds the parent's 1 GiB bandwidth buffer)
         assert 0 < r["peak_rss_mib"] < 1024, r["peak_rss_mib"]
