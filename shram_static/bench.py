@@ -381,9 +381,13 @@ def bench(args) -> int:
 
 def format_row(r: dict) -> str:
     a, z = r["points"][0], r["points"][-1]
-    ratio = lambda p: (f", {p['x_compiled']:.2f}x compiled's speed (best rounds {p['x_compiled_best']:.2f}x)"  # noqa: E731
-                       if p["x_compiled"] is not None and p.get("x_compiled_best") is not None
-                       else f", {p['x_compiled']:.2f}x compiled's speed" if p["x_compiled"] is not None else "")
+
+    def ratio(p):
+        if p["x_compiled"] is None:
+            return ""
+        best = p.get("x_compiled_best")
+        return f", {p['x_compiled']:.2f}x compiled's speed" + (f" (best rounds {best:.2f}x)" if best is not None else "")
+
     built = (f"export {r['export_s']:.0f} s, file {r['file_mib']:.1f} MiB" if "export_s" in r
              else f"warm-up {r['warmup_s']:.1f} s")
     return (f"{r['model']:>7} {r['backend']:>8} B={r['batch']}: decode {a['decode_ms']:.2f} ms "

@@ -125,7 +125,8 @@ class StaticDecoder(HostDecoder):
         decode_options = NO_SIZE_ASSERTS
         if compile and batch_size <= FEW_ROWS and p.device.type == "cpu":
             self.decode_module = StepModule(row_linear_(shared_copy(self.model)), self.state)
-            decode_options = {**NO_SIZE_ASSERTS, **ROW_INPUTS_STORED} if batch_size > 1 else NO_SIZE_ASSERTS
+            if batch_size > 1:
+                decode_options = {**NO_SIZE_ASSERTS, **ROW_INPUTS_STORED}
         self.compiled = compile
         self.skip_guards = skip_guards
         self._tensors: dict[str, list[torch.Tensor]] = {}  # step -> every weight and state tensor

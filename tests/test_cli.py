@@ -229,7 +229,7 @@ def test_export_flags_reach_both_exporters(tmp_path, monkeypatch):
     def fake(fmt):
         def export(model, path, **kw):
             seen.append((fmt, kw["parallel"], kw["prefill_chunk"]))
-            return path
+            return path if fmt == "pte" else {"decode": path}  # what each exporter returns
         return export
 
     monkeypatch.setattr(ex, "export_pte", fake("pte"))

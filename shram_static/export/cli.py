@@ -49,7 +49,7 @@ def export_main(args) -> int:
             paths = export_onnx(model, f"{stem}.onnx", batch_size=args.batch_size,
                                 prefill_chunk=None if args.decode_only else args.prefill_chunk,
                                 eos_token_id=eos, parallel=args.parallel)
-            path = paths["decode"] if isinstance(paths, dict) else paths
+            path = paths["decode"]
         info(f"wrote {path} in {time.perf_counter() - t:.0f} s")
         print(path)
     return 0
