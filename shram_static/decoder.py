@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_isa import start_isa_checks
 from .host import HostDecoder
 from .state import StaticState
 from .step import StepModule
@@ -96,7 +97,8 @@ class StaticDecoder(HostDecoder):
         compile: wrap both steps in `torch.compile(fullgraph=True, dynamic=False)`; each
             compiles once, on first use. With batch_size <= FEW_ROWS on CPU the compiled decode step
             runs its projections as `RowLinear` on the decoder's own `shared_copy` of the model
-            (same weight tensors); the model passed in is never modified.
+            (same weight tensors); the model passed in is never modified. On CPU, Inductor's
+            checks of the machine's vector ISAs start at once, in parallel (`cpu_isa.py`).
         eos_token_id: id that ends a row in `generate`.
         skip_guards: compile only. Once a step has run with Dynamo's guards checked, later
             calls skip them (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`) for as
@@ -131,6 +133,8 @@ class StaticDecoder(HostDecoder):
         self.skip_guards = skip_guards
         self._tensors: dict[str, list[torch.Tensor]] = {}  # step -> every weight and state tensor
         self._checked: dict[str, list[int]] = {}  # step -> their storages when guards last passed
+        # Inductor's CPU ISA checks, in parallel threads until the first call (cpu_isa.py).
+        self._isa_checks = start_isa_checks() if compile and p.device.type == "cpu" else None
         if compile:
             # Two separate compiled functions (two code objects), so each step owns exactly
             # one graph and neither shape ever triggers a recompile of the other.
@@ -154,6 +158,9 @@ class StaticDecoder(HostDecoder):
         fn = self.decode_step if decode else self.prefill_step
         d = self.device
         args = tokens.to(d), input_pos.to(d), live.to(d)
+        if self._isa_checks is not None:  # nothing may compile while they run (cpu_isa.py)
+            self._isa_checks.join()
+            self._isa_checks = None
         if not (self.compiled and self.skip_guards):
             return fn(*args)
         key = "decode" if decode else "prefill"

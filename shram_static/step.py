@@ -127,14 +127,14 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
     routing: list[torch.Tensor] = []
     for i, layer in enumerate(model.model.layers):
         st = tuple(state[5 * i: 5 * i + 5])
-        x, new, idx = run(layer, model.rope, x, st, sh, dims)
-        new_state += list(new) if not inplace else list(st)
+        x, idx, *new = run(layer, model.rope, x, st, sh, dims)
+        new_state += new if not inplace else list(st)
         routing.append(idx)
     return model.logits(x), new_state, torch.stack(routing)
 
 
 def _layer_step(layer, rope, x: torch.Tensor, st: tuple, sh: Shared, dims: Dims):
-    """One decoder layer over the chunk: (x, its 5 state tensors) -> (x, new state, routing).
+    """One decoder layer over the chunk: (x, its 5 state tensors) -> (x, routing, *new state).
 
     Returns the new state tensors only when out of place (in place, the inputs were mutated:
     returning them would alias an output to an input, which a nested compile region rejects).
@@ -190,7 +190,10 @@ def _layer_step(layer, rope, x: torch.Tensor, st: tuple, sh: Shared, dims: Dims)
         return y + bea.output(ys, P, idx)  # (B, C, d)
 
     x = layer(x, attn)
-    return x, (() if inplace else (taken, lk, lv, sk, sv)), routing[0]
+    # A flat tuple of tensors: Dynamo reuses a nested region's first trace for the other
+    # layers only when its output holds nothing but tensors (a nested `()` made it re-trace
+    # every layer).
+    return (x, routing[0]) if inplace else (x, routing[0], taken, lk, lv, sk, sv)
 
 
 _nested_layer_step = torch.compiler.nested_compile_region(_layer_step)

@@ -84,12 +84,20 @@ def test_compiled_steps_never_recompile_and_match_eager(model, B):
     # Warm-up compiles each step once (one graph per step), and Inductor's generated Python
     # wrapper checks no sizes or strides per call (decoder.NO_SIZE_ASSERTS: ~35 calls per layer).
     codes = []
+    traces = torch._dynamo.utils.compilation_time_metrics  # Dynamo's timed phases, per call
+    for k in ("invoke_subgraph_trace", "invoke_subgraph_reuse_stamp_out"):
+        traces.pop(k, None)
     with unittest.mock.patch.object(GraphLowering, "save_output_code", codes.append):
         torch.testing.assert_close(comp.prefill(ids[:, :C], mask[:, :C]), eager.prefill(ids[:, :C], mask[:, :C]),
                                    atol=1e-4, rtol=1e-4)
         tok = torch.randint(0, cfg.vocab_size, (B,), generator=gen)
         torch.testing.assert_close(comp.decode(tok), eager.decode(tok), atol=1e-4, rtol=1e-4)
     assert len(codes) == (2 if B > 1 else 1) and not [c for c in codes if "assert_size_stride(" in c]
+    # Dynamo traced the nested layer region once per step and reused it for the other layers
+    # (step.py: the region returns a flat tuple of tensors, or Dynamo re-traces every layer).
+    n_layers = cfg.num_decoder_layers
+    assert len(traces.get("invoke_subgraph_trace", [])) == len(codes)
+    assert len(traces.get("invoke_subgraph_reuse_stamp_out", [])) == len(codes) * (n_layers - 1)
     n_decode = 2 * cfg.window_size + 5
     with torch.compiler.set_stance("fail_on_recompile"):
         torch.testing.assert_close(comp.prefill(ids[:, C:], mask[:, C:]), eager.prefill(ids[:, C:], mask[:, C:]),
