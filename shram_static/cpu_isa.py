@@ -35,12 +35,16 @@ def _unchecked_isas() -> list:
         return []
 
 
+_lock = threading.Lock()
+_started: threading.Thread | None = None  # this process's checks, once started
+
+
 def start_isa_checks() -> threading.Thread | None:
-    """Starts Inductor's ISA checks in background threads, one per ISA.
+    """Starts Inductor's ISA checks in background threads, one per ISA, once per process.
 
     WHY private Inductor names: Inductor offers no public way to run its checks ahead of a
     compile or in parallel. This calls exactly what `cpu_vec_isa.valid_vec_isa_list` calls
-    (`bool(isa)` on each candidate, which builds and loads the probe) and caches nothing of its
+    (`bool(isa)` on each candidate, which builds and loads the probe) and keeps no result of its
     own; with any other torch it does nothing and Inductor checks as usual.
 
     The caller must `join()` the thread before anything compiles: an ISA object that Inductor
@@ -48,9 +52,19 @@ def start_isa_checks() -> threading.Thread | None:
     (`VecAVX512.__bool__` rewrites its `_arch_flags` while it checks bf16).
 
     Returns:
-        The started daemon thread, or None when there is nothing to check.
+        The daemon thread running (or done with) the checks: the same thread for every call in
+        a process, so two decoders never probe one ISA object at once; None when there is
+        nothing to check.
     """
-    isas = _unchecked_isas()
+    global _started
+    with _lock:
+        if _started is None:
+            _started = _start(_unchecked_isas())
+        return _started
+
+
+def _start(isas: list) -> threading.Thread | None:
+    """A started daemon thread checking `isas` in a pool of one thread each; None if none."""
     if not isas:
         return None
 

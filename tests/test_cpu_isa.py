@@ -13,6 +13,7 @@ from torch._inductor import cpu_vec_isa
 import shram_static.decoder as decoder_mod
 from helpers import random_config, randomize_
 from shram_static import ShramForCausalLM, StaticDecoder
+from shram_static import cpu_isa
 from shram_static.cpu_isa import start_isa_checks
 
 
@@ -44,21 +45,25 @@ def fake_isas(monkeypatch):
     monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker", lambda: ["avx512", "amx_tile", "avx2"])
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", functools.cache(lambda: []))
     monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", None)
+    monkeypatch.setattr(cpu_isa, "_started", None)  # no checks started in this process yet
     return seen
 
 
-def test_isa_checks_run_in_parallel(fake_isas):
+def test_isa_checks_run_in_parallel_once_per_process(fake_isas):
     thread = start_isa_checks()
+    assert start_isa_checks() is thread  # a second decoder waits on the same checks
     thread.join(timeout=30)
     assert not thread.is_alive()
     assert sorted(n for n, _ in fake_isas) == ["avx2", "avx512", "avx512 amx_tile"]  # not "neon"
     assert len({t for _, t in fake_isas}) == 3  # one thread each
+    assert start_isa_checks() is thread and len(fake_isas) == 3  # checked once
 
 
 def test_isa_checks_skipped_when_inductor_needs_none(fake_isas, monkeypatch):
     monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", True)  # the user's override
     assert start_isa_checks() is None
     monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", None)
+    monkeypatch.setattr(cpu_isa, "_started", None)
     cpu_vec_isa.valid_vec_isa_list()  # decided already in this process
     assert start_isa_checks() is None
     assert fake_isas == []
