@@ -12,8 +12,7 @@ from torch._inductor import cpu_vec_isa
 
 import shram_static.decoder as decoder_mod
 from helpers import random_config, randomize_
-from shram_static import ShramForCausalLM, StaticDecoder
-from shram_static import cpu_isa
+from shram_static import ShramForCausalLM, StaticDecoder, cpu_isa
 from shram_static.cpu_isa import start_isa_checks
 
 
