@@ -43,3 +43,14 @@ def quiet_warnings(category: type[Warning], message: str):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=message, category=category)
         yield
+
+
+# WHY dropped around exports: torch 2.13's `run_decompositions` deep-copies the module call
+# graph, and copying its pytree `LeafSpec`s trips typing_extensions' deprecation shim: a
+# FutureWarning about torch's own code, shown twice per export, that no caller can act on.
+LEAFSPEC_NOTICE = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+
+
+def without_leafspec_notice():
+    """`quiet_warnings` for torch's LeafSpec FutureWarning (both exporters' lowering)."""
+    return quiet_warnings(FutureWarning, LEAFSPEC_NOTICE)

@@ -16,7 +16,7 @@ from helpers import GOLDEN_CASES, golden_case, golden_run
 from shram_static import StaticDecoder
 from shram_static.export import ExportFormatError, export_onnx, load_onnx
 from shram_static.export.onnx import graph_paths
-from shram_static.export.pte import LEAFSPEC_NOTICE
+from shram_static.console import LEAFSPEC_NOTICE
 
 # The golden case (batch 2) whose export, with an EOS, is shared by its golden check and by
 # every test of the graph contract below: one export fewer.

@@ -19,6 +19,7 @@ import torch
 from helpers import GOLDEN_CASES, golden_case, golden_run, tiny_model
 
 from shram_static import StaticDecoder
+from shram_static.console import LEAFSPEC_NOTICE
 from shram_static.export import ExportFormatError, export_onnx, export_pte, load_pte
 from shram_static.export import pte
 from shram_static.export.forked import can_fork
@@ -89,7 +90,7 @@ def builtin(tmp_path_factory):
     received = pte.edge_program_from_value
     with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
         warnings.filterwarnings("error", message="the parallel process", category=RuntimeWarning)
-        warnings.filterwarnings("error", message=pte.LEAFSPEC_NOTICE, category=FutureWarning)
+        warnings.filterwarnings("error", message=LEAFSPEC_NOTICE, category=FutureWarning)
         mp.setattr(pte, "edge_program_from_value", lambda v: TRANSFERRED.append(1) or received(v))
         et = lower_program(model, batch_size=1, prefill_chunk=8, eos_token_id=EOS, bos_token_id=BOS)
     path = tmp_path_factory.mktemp("pte") / "builtin.pte"

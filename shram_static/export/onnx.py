@@ -28,13 +28,13 @@ import numpy as np
 import torch
 
 from ..config import ShramConfig
-from ..console import quiet_warnings
+from ..console import without_leafspec_notice
 from ..host import HostDecoder
 from ..state import StaticState
 from ..step import FunctionalStep
 from .forked import run_jobs
 from .lowering import without_onnx_rewrite_rules
-from .pte import LEAFSPEC_NOTICE, ExportFormatError, check_export_args, export_copy
+from .pte import ExportFormatError, check_export_args, export_copy
 
 FORMAT = "shram_static.onnx/1"
 _ALIGN = 64  # byte alignment of each tensor in the shared data file
@@ -64,7 +64,7 @@ def _export_graph(fn: FunctionalStep, state: StaticState, C: int):
     names = state.names()
     args = (torch.zeros(B, C, dtype=torch.long), torch.zeros(B, dtype=torch.long),
             torch.ones(B, C, dtype=torch.bool), *[t.clone() for t in state.tensors()])
-    with torch.no_grad(), without_onnx_rewrite_rules(), quiet_warnings(FutureWarning, LEAFSPEC_NOTICE):
+    with torch.no_grad(), without_onnx_rewrite_rules(), without_leafspec_notice():
         prog = torch.onnx.export(
             fn, args, dynamo=True, optimize=True, verbose=False,
             input_names=["input_ids", "position_ids", "live", *[f"past.{n}" for n in names]],

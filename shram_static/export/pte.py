@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..config import ShramConfig
-from ..console import quiet_warnings
+from ..console import without_leafspec_notice
 from ..experts import fuse_experts_
 from ..host import HostDecoder
 from ..state import StaticState
@@ -111,12 +111,6 @@ def export_copy(model: nn.Module) -> nn.Module:
             if not t.is_contiguous():
                 t.data = t.data.contiguous()
     return fuse_experts_(m)
-
-
-# WHY dropped: torch 2.13's `run_decompositions` deep-copies the module call graph, and copying
-# its pytree `LeafSpec`s trips typing_extensions' deprecation shim: a FutureWarning about
-# torch's own code, shown twice per export, that no caller can act on.
-LEAFSPEC_NOTICE = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 
 
 def _init_first_method_pass(names):
@@ -253,7 +247,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
             ep = torch.export.export(mod, args, strict=False)
         drop_provenance(ep)
         drop_metadata_asserts(ep)
-        with quiet_warnings(FutureWarning, LEAFSPEC_NOTICE):
+        with without_leafspec_notice():
             return to_edge_and_lower({name: ep}, xnnpack_partitioner(), {}, config).exported_program(name)
 
     meta = {
