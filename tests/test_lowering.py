@@ -172,6 +172,7 @@ class _Mixed(torch.nn.Module):
         for p in self.parameters():
             p.data = torch.randn(p.shape, generator=g)
         self.register_buffer("cache", torch.zeros(4, 8))
+        self.register_buffer("seen", torch.zeros(1, 4, dtype=torch.bool))
 
     def forward(self, x, pos):
         h = self.a(x).clamp(min=0.0)  # (N, 8)
@@ -180,38 +181,52 @@ class _Mixed(torch.nn.Module):
         self.cache.index_put_((pos,), c[:1])
         top = torch.topk(c, 2).values  # (N, 2)
         m = torch.bmm(self.b(c)[None], self.cache.t()[None])[0]  # (N, 4)
+        self.seen.copy_(self.seen | (m[:1] > 0))  # a whole-buffer write, as the step's `taken`
         # A scalar operand of a portable op, a mixed-type add and a cast: what the per-op
         # edge conversion passes rewrite (`one_edge_conversion_trace`).
         s = torch.where(m > 0, m, 0.5) * 0.5 + (pos % 3)  # (N, 4), float + int64
         return s.sum(-1, keepdim=True) * top[:, :1] + self.cache[:1, :1] + pos.float()
 
 
-def _programs() -> dict:
-    """The `_Mixed` module's two methods, exported."""
+def _methods() -> dict:
+    """The `_Mixed` module's two methods: name -> (module, example inputs)."""
     mod = _Mixed().eval()
     pos = torch.zeros(1, dtype=torch.long)
+    return {n: (mod, (torch.randn(b, 8), pos)) for n, b in (("forward", 1), ("prefill", 3))}
+
+
+def _exported(methods: dict) -> dict:
+    """The methods as torch.export programs (what the stock lowering takes)."""
     with torch.no_grad():
-        return {n: torch.export.export(mod, (torch.randn(b, 8), pos), strict=False)
-                for n, b in (("forward", 1), ("prefill", 3))}
+        return {n: torch.export.export(mod, args, strict=False) for n, (mod, args) in methods.items()}
 
 
 def _lower(fast: bool, calls: list | None = None, passes: list | None = None,
            delegate_runs: list | None = None) -> bytes:
-    """The `_Mixed` module's two methods lowered and emitted, with every speed-up or none;
-    `calls` (if given) gets one entry per `run_decompositions` during lowering, `passes` (if
+    """The `_Mixed` module's two methods exported, lowered and emitted, with every speed-up or
+    none; `calls` (if given) gets one entry per trace of the module's graph during export and
+    decomposition (`torch.export`, `run_decompositions`, `export_decomposed`), `passes` (if
     given) the class name of every graph pass run (outermost calls only), `delegate_runs` (if
-    given) one entry per run of a delegate's original program."""
+    given) one entry per run of a delegate's original program.
+
+    Debug handles are numbered one per node in both: the stock flow gives every node the handle
+    of its ancestor in the training IR (a node `run_decompositions` made from an op shares that
+    op's handle), and the one-trace export has no training IR; the handles are debugging
+    metadata (ETDump), not the program."""
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
 
     from shram_static.export import lowering
     from shram_static.export.partition import xnnpack_partitioner
 
-    programs = _programs()
+    methods = _methods()
     config = EdgeCompileConfig(_check_ir_validity=False)
     blocks = (lowering.needed_edge_passes_only(), lowering.one_edge_conversion_trace(),
               lowering.needed_xnnpack_passes_only(), lowering.faster_partitioning(),
               lowering.delegate_outputs_from_metadata()) if fast else ()
     with contextlib.ExitStack() as stack:
+        handles = importlib.import_module("executorch.exir.passes.debug_handle_generator_pass")
+        stack.enter_context(unittest.mock.patch.object(handles, "get_greatest_ancestor_node_identifier",
+                                                       lambda node: f"{node.name}.{id(node.graph)}"))
         if delegate_runs is not None:  # patched first: the speed-up keeps the stock function
             hop = importlib.import_module("torch._higher_order_ops.executorch_call_delegate")
             run_delegate = hop.call_delegate_cpu
@@ -220,12 +235,18 @@ def _lower(fast: bool, calls: list | None = None, passes: list | None = None,
         for b in blocks:
             stack.enter_context(b)
         if calls is not None:
-            decompose = torch.export.ExportedProgram.run_decompositions
+            decompose, export = torch.export.ExportedProgram.run_decompositions, torch.export.export
             stack.enter_context(unittest.mock.patch.object(
                 torch.export.ExportedProgram, "run_decompositions",
                 # Only this module's programs (XNNPACK's pattern passes decompose their own).
                 lambda self, *a, **k: (calls.append(1) if "cache" in self.graph_signature.buffers else None)
                 or decompose(self, *a, **k)))
+            stack.enter_context(unittest.mock.patch.object(
+                torch.export, "export",
+                lambda mod, *a, **k: (calls.append(1) if isinstance(mod, _Mixed) else None) or export(mod, *a, **k)))
+            one = lowering.export_decomposed
+            stack.enter_context(unittest.mock.patch.object(
+                lowering, "export_decomposed", lambda *a, **k: calls.append(1) or one(*a, **k)))
         if passes is not None:
             from torch.fx.passes.infra.pass_base import PassBase
             run, depth = PassBase.__call__, []
@@ -241,19 +262,20 @@ def _lower(fast: bool, calls: list | None = None, passes: list | None = None,
 
             stack.enter_context(unittest.mock.patch.object(PassBase, "__call__", outermost))
         if fast:
-            edge = lowering.to_edge_and_lower(programs, xnnpack_partitioner(), {"k": 1}, config)
+            edge = lowering.export_and_lower(methods, xnnpack_partitioner(), {"k": 1}, config)
         else:
-            edge = to_edge_transform_and_lower(programs, partitioner=[xnnpack_partitioner()],
+            edge = to_edge_transform_and_lower(_exported(methods), partitioner=[xnnpack_partitioner()],
                                                compile_config=config, constant_methods={"k": 1})
         return edge.to_executorch(ExecutorchBackendConfig(run_reinplace_pass=True)).buffer
 
 
 @pytest.mark.heavy
 def test_lowering_speedups_give_the_stock_program(caplog):
-    """One decomposition per method, gated edge and XNNPACK passes, one trace for the per-op
-    edge conversions, delegate outputs from metadata and linear-time partitioning write the
-    same bytes as ExecuTorch's stock `to_edge_transform_and_lower`; the stock call decomposes
-    the user's programs three times per method, the fast one once, runs the four per-op
+    """One trace per method for export and decomposition, gated edge and XNNPACK passes, one
+    trace for the per-op edge conversions, delegate outputs from metadata and linear-time
+    partitioning write the same bytes as `torch.export` and ExecuTorch's stock
+    `to_edge_transform_and_lower` (debug handles aside: see `_lower`); the stock flow traces
+    each method four times (export, then three decompositions), the fast one once, runs the four per-op
     conversion passes as four traces per method, the fast one as one, and runs each delegate's
     original program when re-tracing, the fast one never. XNNPACK's notice against the
     two-step flow (whose support filter the fast path applies itself) is not shown."""
@@ -268,7 +290,7 @@ def test_lowering_speedups_give_the_stock_program(caplog):
     generate, run = _program._generate_edge_program, hop.call_delegate_cpu
     fast = _lower(True, fast_calls, fast_passes, fast_runs)
     assert (_program._generate_edge_program, hop.call_delegate_cpu) == (generate, run)  # restored
-    assert (len(stock_calls), len(fast_calls)) == (6, 2)
+    assert (len(stock_calls), len(fast_calls)) == (8, 2)
     # to_executorch's re-trace ran every delegate's program (fake tensors); the fast one none.
     assert len(stock_runs) > 0 and len(fast_runs) == 0
     assert [stock_passes.count(p) for p in _PER_OP_EDGE_PASSES] == [2, 2, 2, 2]
@@ -280,14 +302,15 @@ def test_lowering_speedups_give_the_stock_program(caplog):
 
 def test_lowering_falls_back_when_a_kept_op_is_rejected(monkeypatch):
     """If the partitioner would reject an op it asked to keep whole, the stock call runs, on
-    the caller's programs, partitioner, config (not the extended one) and constant methods (it
-    decomposes that op; what it writes is ExecuTorch's, so it is not lowered here). Without a
-    rejection the stock call is not made: `test_lowering_speedups_give_the_stock_program`."""
+    the methods exported by `torch.export`, the caller's partitioner, config (not the extended
+    one) and constant methods (it decomposes that op; what it writes is ExecuTorch's, so it is
+    not lowered here). Without a rejection the stock call is not made:
+    `test_lowering_speedups_give_the_stock_program`."""
     import executorch.exir
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig
 
-    from shram_static.export.lowering import to_edge_and_lower
+    from shram_static.export.lowering import export_and_lower
     from shram_static.export.partition import xnnpack_partitioner
 
     keep = XnnpackPartitioner.ops_to_not_decompose
@@ -298,12 +321,18 @@ def test_lowering_falls_back_when_a_kept_op_is_rejected(monkeypatch):
         return ops, lambda node: False
 
     calls = []
-    programs, part, config = _programs(), xnnpack_partitioner(), EdgeCompileConfig(_check_ir_validity=False)
+    methods, part, config = _methods(), xnnpack_partitioner(), EdgeCompileConfig(_check_ir_validity=False)
     monkeypatch.setattr(executorch.exir, "to_edge_transform_and_lower", lambda *a, **k: calls.append((a, k)) or "stock")
     monkeypatch.setattr(XnnpackPartitioner, "ops_to_not_decompose", rejecting)
-    assert to_edge_and_lower(programs, part, {"k": 1}, config) == "stock"
-    assert calls == [((programs,), dict(partitioner=[part], compile_config=config, constant_methods={"k": 1}))]
+    assert export_and_lower(methods, part, {"k": 1}, config) == "stock"
+    [((programs,), kwargs)] = calls
+    assert kwargs == dict(partitioner=[part], compile_config=config, constant_methods={"k": 1})
     assert config.preserve_ops == []
+    want = _exported(methods)
+    assert list(programs) == list(want)
+    for name, ep in programs.items():  # torch.export's programs (the training IR), not decomposed ones
+        assert isinstance(ep, torch.export.ExportedProgram)
+        assert [str(n.target) for n in ep.graph.nodes] == [str(n.target) for n in want[name].graph.nodes]
 
 
 def test_edge_pass_gates():
@@ -417,13 +446,11 @@ def test_a_method_lowered_elsewhere_emits_the_same_program():
             p.mul_(1.5)
     pos = torch.ones(1, dtype=torch.long)
     config = EdgeCompileConfig(_check_ir_validity=False)
-    with torch.no_grad():
-        programs = {n: torch.export.export(mods[n], (torch.randn(b, 8), pos), strict=False)
-                    for n, b in (("forward", 1), ("prefill", 3))}
+    methods = {n: (mods[n], (torch.randn(b, 8), pos)) for n, b in (("forward", 1), ("prefill", 3))}
     with lowering.shared_provenance(), lowering.needed_edge_passes_only(), lowering.one_edge_conversion_trace(), \
             lowering.needed_xnnpack_passes_only(), lowering.faster_partitioning():  # as lower_program
-        edges = {n: lowering.to_edge_and_lower({n: ep}, xnnpack_partitioner(), {}, config).exported_program(n)
-                 for n, ep in programs.items()}
+        edges = {n: lowering.export_and_lower({n: m}, xnnpack_partitioner(), {}, config).exported_program(n)
+                 for n, m in methods.items()}
     sent = edge_program_from_value(pickle.loads(pickle.dumps(edge_program_to_value(edges["prefill"]))))
 
     def emit(prefill):

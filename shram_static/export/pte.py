@@ -37,9 +37,9 @@ from ..step import StepModule
 from .edge_transfer import edge_program_from_value, edge_program_to_value
 from .forked import run_jobs
 from .partition import xnnpack_partitioner
-from .lowering import (delegate_outputs_from_metadata, drop_metadata_asserts, drop_provenance, faster_partitioning,
+from .lowering import (delegate_outputs_from_metadata, export_and_lower, faster_partitioning,
                        needed_edge_passes_only, needed_xnnpack_passes_only, one_edge_conversion_trace,
-                       shared_provenance, to_edge_and_lower)
+                       shared_provenance)
 from .quantize import QUANTIZE_MODES, quantize_weights_
 from .views import state_view_planning, written_cache_views_pass
 
@@ -236,19 +236,11 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     config = EdgeCompileConfig(_check_ir_validity=False)
 
     def lower(name):
-        """One method: ATen export, then edge dialect with the XNNPACK delegates."""
-        mod, args = methods[name]
-        # no_grad: in-place writes into buffers computed from parameters that require grad fail
-        # in ExecuTorch's passes. strict=False: the step has no data-dependent Python (no
-        # .item(), no branch on tensor data), so tracing it with Python itself gives the same
-        # graph (node for node on the built-in model) as Dynamo's strict mode, in half the time
-        # (5.1 s against 10.4 s for both methods of the built-in model).
-        with torch.no_grad():
-            ep = torch.export.export(mod, args, strict=False)
-        drop_provenance(ep)
-        drop_metadata_asserts(ep)
+        """One method: exported (strict=False: the step has no data-dependent Python, no .item(),
+        no branch on tensor data, so tracing it with Python gives the graph Dynamo's strict mode
+        gives, in half the time), decomposed, in edge dialect with the XNNPACK delegates."""
         with without_leafspec_notice():
-            return to_edge_and_lower({name: ep}, xnnpack_partitioner(), {}, config).exported_program(name)
+            return export_and_lower({name: methods[name]}, xnnpack_partitioner(), {}, config).exported_program(name)
 
     meta = {
         "format": FORMAT, "batch_size": B, "prefill_chunk": C, "quantize": quantize,
