@@ -93,32 +93,55 @@ def test_shared_provenance_is_scoped():
     assert copy.deepcopy(ns) is not ns and "__deepcopy__" not in NodeSource.__dict__
 
 
+@pytest.fixture(scope="module")
+def onnx_step():
+    """(step, example inputs, its unoptimized ONNX graph as `torch.onnx.export` makes it from
+    the module, the traces that took): the tiny model's chunk step cut to one layer (every
+    layer is the same graph)."""
+    import onnx_ir as ir
+
+    from helpers import tiny_model
+    from shram_static.export.pte import export_copy
+    from shram_static.state import StaticState
+    from shram_static.step import FunctionalStep
+
+    model = export_copy(tiny_model(num_decoder_layers=1))
+    state = StaticState(model.config, 2, 4)
+    fn = FunctionalStep(model, state).eval()
+    args = (torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+            torch.ones(2, 4, dtype=torch.bool), *[t.clone() for t in state.tensors()])
+    with _counting_traces() as traces, torch.no_grad():
+        raw = ir.to_proto(torch.onnx.export(fn, args, dynamo=True, optimize=False, verbose=False).model)
+    return fn, args, raw, traces
+
+
+@contextlib.contextmanager
+def _counting_traces():
+    """Within the block, the list it yields gets "export" for each `torch.export.export` and
+    "decompose" for each `ExportedProgram.run_decompositions`."""
+    traces = []
+    export, decompose = torch.export.export, torch.export.ExportedProgram.run_decompositions
+    with unittest.mock.patch.object(torch.export, "export", lambda *a, **k: traces.append("export") or export(*a, **k)), \
+            unittest.mock.patch.object(torch.export.ExportedProgram, "run_decompositions",
+                                       lambda *a, **k: traces.append("decompose") or decompose(*a, **k)):
+        yield traces
+
+
 @pytest.mark.heavy
-def test_onnx_rule_skip_keeps_the_optimized_graph():
+def test_onnx_rule_skip_keeps_the_optimized_graph(onnx_step):
     """Without the skipped rewrite rules the exporter's optimizer makes the same graph (op for
-    op) from a SHRAM step, here the chunk step of the tiny model cut to one layer (every layer
-    is the same graph); the rules come back after."""
+    op) from a SHRAM step; the rules come back after."""
     import collections
 
     import onnx_ir as ir
     import onnxscript.optimizer
     from onnxscript import rewriter
 
-    from helpers import tiny_model
     from shram_static.export.lowering import SKIPPED_ONNX_RULES, without_onnx_rewrite_rules
-    from shram_static.export.pte import export_copy
-    from shram_static.state import StaticState
-    from shram_static.step import FunctionalStep
 
     rules = rewriter._DEFAULT_REWRITE_RULES
     assert {r.name for r in rules} >= set(SKIPPED_ONNX_RULES)  # the names still exist
-    model = export_copy(tiny_model(num_decoder_layers=1))
-    state = StaticState(model.config, 2, 4)
-    args = (torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, dtype=torch.long),
-            torch.ones(2, 4, dtype=torch.bool), *[t.clone() for t in state.tensors()])
-    with torch.no_grad():
-        raw = ir.to_proto(torch.onnx.export(FunctionalStep(model, state).eval(), args, dynamo=True,
-                                            optimize=False, verbose=False).model)
+    raw = onnx_step[2]
 
     def optimized_ops(skip: bool) -> collections.Counter:
         m = ir.from_proto(raw)
@@ -131,6 +154,46 @@ def test_onnx_rule_skip_keeps_the_optimized_graph():
     full, skipped = optimized_ops(False), optimized_ops(True)
     assert skipped == full and sum(full.values()) < 1000, (skipped - full, full - skipped)
     assert rewriter._DEFAULT_REWRITE_RULES is rules
+
+
+def test_onnx_export_in_one_trace_gives_the_exporters_graph(onnx_step):
+    """`onnx_decomposed` hands the ONNX exporter a program exported and decomposed in one trace:
+    the graph is the exporter's own (`onnx_step`), node for node (ops, attributes, weights,
+    names of inputs and outputs), without its `torch.export` and `run_decompositions`. Should
+    the exporter's registry implement other ops than the table was made for, it decomposes the
+    program itself."""
+    import numpy as np
+    import onnx
+    import onnx_ir as ir
+    from onnx import numpy_helper
+    from torch.onnx._internal.exporter import _decomp, _fx_passes, _registration
+
+    from shram_static.export.decompose import onnx_decomposed
+
+    fn, args, stock, stock_traces = onnx_step
+    step = _fx_passes.decompose_with_registry
+    with _counting_traces() as traces, torch.no_grad(), onnx_decomposed(fn, args) as ep:
+        fast = ir.to_proto(torch.onnx.export(ep, args, dynamo=True, optimize=False, verbose=False).model)
+        assert traces == [] and stock_traces == ["export", "decompose"]
+        # a registry without one of the ops the table keeps whole: the exporter's decomposition
+        registry = _registration.ONNXRegistry.from_torchlib()
+        fewer = _decomp.get_onnx_implemented_overloads(registry)[1:]
+        with unittest.mock.patch.object(_decomp, "get_onnx_implemented_overloads", lambda r: fewer):
+            _fx_passes.decompose_with_registry(ep, registry)
+        assert traces == ["decompose"]
+    assert _fx_passes.decompose_with_registry is step  # restored
+
+    def nodes(p):
+        return [(n.op_type, n.domain, [(a.name, onnx.helper.get_attribute_value(a)) for a in n.attribute
+                                       if a.type != onnx.AttributeProto.GRAPH]) for n in p.graph.node]
+
+    def weights(p):
+        return [numpy_helper.to_array(t) for t in p.graph.initializer]
+
+    assert str(nodes(fast)) == str(nodes(stock)) and len(fast.graph.node) > 100
+    assert [i.name for i in fast.graph.input] == [i.name for i in stock.graph.input]
+    assert [o.name for o in fast.graph.output] == [o.name for o in stock.graph.output]
+    assert all(np.array_equal(a, b) for a, b in zip(weights(fast), weights(stock), strict=True))
 
 
 def test_written_cache_views_rebased_on_the_buffer():

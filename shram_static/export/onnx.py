@@ -32,6 +32,7 @@ from ..console import without_leafspec_notice
 from ..host import HostDecoder
 from ..state import StaticState
 from ..step import FunctionalStep
+from .decompose import onnx_decomposed
 from .forked import run_jobs
 from .lowering import without_onnx_rewrite_rules
 from .pte import ExportFormatError, check_export_args, export_copy
@@ -64,9 +65,9 @@ def _export_graph(fn: FunctionalStep, state: StaticState, C: int):
     names = state.names()
     args = (torch.zeros(B, C, dtype=torch.long), torch.zeros(B, dtype=torch.long),
             torch.ones(B, C, dtype=torch.bool), *[t.clone() for t in state.tensors()])
-    with torch.no_grad(), without_onnx_rewrite_rules(), without_leafspec_notice():
+    with torch.no_grad(), without_onnx_rewrite_rules(), without_leafspec_notice(), onnx_decomposed(fn, args) as ep:
         prog = torch.onnx.export(
-            fn, args, dynamo=True, optimize=True, verbose=False,
+            ep, args, dynamo=True, optimize=True, verbose=False,
             input_names=["input_ids", "position_ids", "live", *[f"past.{n}" for n in names]],
             output_names=["logits", *[f"present.{n}" for n in names]],
         )
