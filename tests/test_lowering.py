@@ -8,6 +8,7 @@ golden logits and tokens through every `.pte`).
 import contextlib
 import copy
 import importlib
+import operator
 import types
 import unittest.mock
 
@@ -85,12 +86,48 @@ def test_shared_provenance_is_scoped():
     """NodeSource deep copies are shared inside the block only."""
     from torch.fx.traceback import NodeSource
 
-    from shram_static.export.lowering import shared_provenance
+    from shram_static.export.fx_speedups import shared_provenance
 
     ns = NodeSource(None, "p")
     with shared_provenance():
         assert copy.deepcopy([ns])[0] is ns
     assert copy.deepcopy(ns) is not ns and "__deepcopy__" not in NodeSource.__dict__
+
+
+def test_lazy_recompiles_generate_the_code_of_the_current_graph():
+    """In the block a recompile generates no code until the module runs or its code is read,
+    then the code of its graph as it is; on leaving, every pending module is recompiled and
+    GraphModule is restored."""
+    from torch.fx import GraphModule
+
+    from shram_static.export.fx_speedups import lazy_recompiles
+
+    def edit(gm, fn):  # the one operation becomes `fn`
+        for n in gm.graph.nodes:
+            if n.op == "call_function":
+                n.target = fn
+        gm.recompile()
+
+    real, python_code = GraphModule.recompile, torch.fx.Graph.python_code
+    gm, x = torch.fx.symbolic_trace(lambda a: a + 1.0), torch.tensor([2.0])
+    pending = torch.fx.symbolic_trace(lambda a: a + 1.0)
+    generated = []
+    counting = lambda self, *a, **k: generated.append(1) or python_code(self, *a, **k)  # noqa: E731
+    with unittest.mock.patch.object(torch.fx.Graph, "python_code", counting), lazy_recompiles():
+        assert GraphModule.recompile is not real
+        for fn in (operator.sub, operator.mul):  # two edits, no run between: no code yet
+            edit(gm, fn)
+        assert generated == []
+        assert "a * 1.0" in gm.code and torch.equal(gm(x), x * 1.0) and len(generated) == 1
+        edit(gm, operator.sub)
+        assert torch.equal(gm(x), x - 1.0)  # the forward of the current graph
+        edit(gm, operator.truediv)
+        assert "a / 1.0" in str(gm) and torch.equal(gm(x), x / 1.0)
+        code = gm.recompile()
+        assert "a / 1.0" in code.src  # the PythonCode, when a caller reads it
+        edit(pending, operator.mul)  # left pending at the end of the block
+    assert GraphModule.recompile is real
+    assert "a * 1.0" in pending._code and torch.equal(pending(x), x * 1.0)
 
 
 @pytest.fixture(scope="module")
@@ -278,12 +315,13 @@ def _lower(fast: bool, calls: list | None = None, passes: list | None = None,
     metadata (ETDump), not the program."""
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
 
-    from shram_static.export import lowering
+    from shram_static.export import fx_speedups, lowering
     from shram_static.export.partition import xnnpack_partitioner
 
     methods = _methods()
     config = EdgeCompileConfig(_check_ir_validity=False)
-    blocks = (lowering.needed_edge_passes_only(), lowering.one_edge_conversion_trace(),
+    blocks = (fx_speedups.shared_provenance(), fx_speedups.lazy_recompiles(),
+              lowering.needed_edge_passes_only(), lowering.one_edge_conversion_trace(),
               lowering.needed_xnnpack_passes_only(), lowering.faster_partitioning(),
               lowering.delegate_outputs_from_metadata()) if fast else ()
     with contextlib.ExitStack() as stack:
@@ -499,7 +537,7 @@ def test_a_method_lowered_elsewhere_emits_the_same_program():
     from executorch.exir import EdgeCompileConfig, EdgeProgramManager, ExecutorchBackendConfig
     from executorch.runtime import Runtime
 
-    from shram_static.export import lowering
+    from shram_static.export import fx_speedups, lowering
     from shram_static.export.edge_transfer import edge_program_from_value, edge_program_to_value
     from shram_static.export.partition import xnnpack_partitioner
 
@@ -510,7 +548,7 @@ def test_a_method_lowered_elsewhere_emits_the_same_program():
     pos = torch.ones(1, dtype=torch.long)
     config = EdgeCompileConfig(_check_ir_validity=False)
     methods = {n: (mods[n], (torch.randn(b, 8), pos)) for n, b in (("forward", 1), ("prefill", 3))}
-    with lowering.shared_provenance(), lowering.needed_edge_passes_only(), lowering.one_edge_conversion_trace(), \
+    with fx_speedups.shared_provenance(), fx_speedups.lazy_recompiles(), lowering.needed_edge_passes_only(), lowering.one_edge_conversion_trace(), \
             lowering.needed_xnnpack_passes_only(), lowering.faster_partitioning():  # as lower_program
         edges = {n: lowering.export_and_lower({n: m}, xnnpack_partitioner(), {}, config).exported_program(n)
                  for n, m in methods.items()}

@@ -15,32 +15,6 @@ import torch
 from .decompose import export_decomposed
 
 
-@contextlib.contextmanager
-def shared_provenance():
-    """Within the block, deep copies of `torch.fx.traceback.NodeSource` share it.
-
-    WHY: every pass that re-creates a node records a NodeSource holding a deep copy of the old
-    node's whole provenance chain, and lowering runs ~80 passes, so the copies grow with every
-    pass (quadratic; `drop_provenance` cannot help, the chains regrow inside lowering).
-    Measured on the tiny test model, decode only: 39-45 s with sharing against 55 s without.
-    A NodeSource is never mutated after construction (torch 2.13: only its constructor and
-    deserializer assign its fields; the per-node `from_node` lists stay distinct copies), so
-    sharing records the same provenance. Restored on exit; torch is pinned (pyproject.toml).
-    """
-    from torch.fx.traceback import NodeSource
-
-    missing = object()
-    old = NodeSource.__dict__.get("__deepcopy__", missing)
-    NodeSource.__deepcopy__ = lambda self, memo: self
-    try:
-        yield
-    finally:
-        if old is missing:
-            del NodeSource.__deepcopy__
-        else:
-            NodeSource.__deepcopy__ = old
-
-
 def _op_name(node) -> str:
     """'aten.cat.default' for an edge or aten op node, '' for anything else."""
     if node.op != "call_function":
