@@ -37,7 +37,7 @@ class FusedExperts(nn.Module):
     """Expert weights in the exported step's layout: every expert as one linear layer each way,
     `qkv` (d -> L*3u: q, k, v of expert l at rows l*3u..) and `o` (L*u -> d).
 
-    Same interface as `BEA` (`project`, `output`, `project_all`, `output_all`). WHY every
+    Same interface as `BEA` (`select`, `project`, `output`, `project_all`, `output_all`). WHY every
     expert instead of the K selected: gathering the selected experts' blocks is a portable copy,
     per token, of weights the step then reads again (at prefill, 32 tokens copied 12.5 MB per
     bench layer), while one linear
@@ -66,29 +66,31 @@ class FusedExperts(nn.Module):
         # a constant, not an arange per call (each is a portable op in the exported step)
         self.register_buffer("experts", torch.arange(L, device=like["device"]), persistent=False)
 
-    def onehot(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx (B, C, K) -> (B, C, K, L) float: 1 at each selected expert."""
+    def select(self, idx: torch.Tensor) -> torch.Tensor:
+        """The selection `project` and `output` take: idx (B, C, K) -> one-hot (B*C, K, L) float,
+        1 at each selected expert (made once per layer: its == and cast are portable ops)."""
+        B, C, K = idx.shape
         # view, not idx[..., None]: outside a delegate a view_copy is free, an unsqueeze_copy a kernel
-        return (idx.view(*idx.shape, 1) == self.experts).to(self.o.weight.dtype)
+        hot = idx.view(B, C, K, 1) == self.experts  # (B, C, K, L)
+        return hot.to(self.o.weight.dtype).view(B * C, K, self.num_experts)
 
-    def project(self, h: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of the selected experts: h (B, C, d), idx (B, C, K) -> 3 x (B, C, K, u)."""
+    def project(self, h: torch.Tensor, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of the selected experts: h (B, C, d), sel (`select`) -> 3 x (B, C, K, u)."""
         B, C, _ = h.shape
-        K, u, L = idx.shape[-1], self.head_dim, self.num_experts
+        K, u, L = sel.shape[1], self.head_dim, self.num_experts
         y = self.qkv(h).view(B * C, L, 3 * u)  # (BC, L, 3u) every expert
         # the selected rows as a one-hot batched matmul (in the delegate; a gather would need
         # its index expanded to the row width, a portable copy). Exact: one 1 per row.
-        y = torch.bmm(self.onehot(idx).view(B * C, K, L), y).view(B, C, K, 3, u)
+        y = torch.bmm(sel, y).view(B, C, K, 3, u)
         return y[..., 0, :], y[..., 1, :], y[..., 2, :]
 
-    def output(self, y: torch.Tensor, P: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """sum_k P_k y_k o_proj[idx_k]: y (B, C, K, u), P (B, C, K), idx (B, C, K) -> (B, C, d)."""
+    def output(self, y: torch.Tensor, P: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        """sum_k P_k y_k o_proj[idx_k]: y (B, C, K, u), P (B, C, K), sel (`select`) -> (B, C, d)."""
         B, C, K, u = y.shape
         L = self.num_experts
         # each token's weighted outputs at its experts' rows (a one-hot batched matmul: 0 at
         # the experts it did not select), then all experts' output projections as one linear
-        onehot = self.onehot(idx).view(B * C, K, L)
-        z = torch.bmm(onehot.transpose(1, 2), (y * P[..., None]).view(B * C, K, u))  # (BC, L, u)
+        z = torch.bmm(sel.transpose(1, 2), (y * P[..., None]).view(B * C, K, u))  # (BC, L, u)
         return self.o(z.view(B, C, L * u))
 
     def project_all(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

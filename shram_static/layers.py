@@ -80,8 +80,13 @@ class BEA(nn.Module):
         self.v_proj = nn.Parameter(torch.empty(L, d, u))
         self.o_proj = nn.Parameter(torch.empty(L, u, d))
 
+    def select(self, idx: torch.Tensor) -> torch.Tensor:
+        """The selection `project` and `output` take: the expert indices idx (B, C, K) as they are
+        (`FusedExperts.select` makes its one-hot form)."""
+        return idx
+
     def project(self, h: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of the selected experts: h (B, C, d), idx (B, C, K) -> 3 x (B, C, K, u)."""
+        """q, k, v of the selected experts: h (B, C, d), idx (`select`: B, C, K) -> 3 x (B, C, K, u)."""
         return tuple(torch.einsum("bcd,bckdu->bcku", h, gather_experts(w, idx))
                      for w in (self.q_proj, self.k_proj, self.v_proj))
 
@@ -95,7 +100,7 @@ class BEA(nn.Module):
         return torch.einsum("blnu,lud,bnl->bnd", y, self.o_proj, w)
 
     def output(self, y: torch.Tensor, P: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Selected experts' outputs y (B, C, K, u) mixed by P (B, C, K) -> (B, C, d)."""
+        """Selected experts' outputs y (B, C, K, u) mixed by P (B, C, K), idx (`select`) -> (B, C, d)."""
         return mix_experts(self.o_proj, y, P, idx)
 
 

@@ -172,7 +172,8 @@ def _layer_step(layer, rope, x: torch.Tensor, st: tuple, sh: Shared, dims: Dims)
         head = sh.head_base + idx  # (B, C, K) row of (b, l) in the cache
         wslot = torch.where(live[..., None] & (slot < T), slot, T)  # T is the sink
         rows = (head * (T + 1) + wslot).reshape(-1)  # (B*C*K,)
-        qs, ks, vs = bea.project(h, idx)  # (B, C, K, u)
+        pick = bea.select(idx)  # once per layer: `project` and `output` both take it
+        qs, ks, vs = bea.project(h, pick)  # (B, C, K, u)
         # main_sequence: the step's shared rows; semantic_sequence: at the index in S_l (B, C, K, u)
         cos, sin = (sh.main_cos, sh.main_sin) if sh.main_cos is not None else rope.sparse(slot)
         qs, ks = apply_rope(qs, cos, sin), apply_rope(ks, cos, sin)
@@ -187,7 +188,7 @@ def _layer_step(layer, rope, x: torch.Tensor, st: tuple, sh: Shared, dims: Dims)
         # A row with no live token keeps its state bit for bit (not just equivalently).
         taken_new = (taken_new & sh.row_live) | (taken & ~sh.row_live)
         taken = taken_new if not inplace else taken.copy_(taken_new)
-        return y + bea.output(ys, P, idx)  # (B, C, d)
+        return y + bea.output(ys, P, pick)  # (B, C, d)
 
     x = layer(x, attn)
     # A flat tuple of tensors: Dynamo reuses a nested region's first trace for the other
