@@ -86,7 +86,7 @@ def test_shared_provenance_is_scoped():
     """NodeSource deep copies are shared inside the block only."""
     from torch.fx.traceback import NodeSource
 
-    from shram_static.export.fx_speedups import shared_provenance
+    from shram_static.export.bookkeeping import shared_provenance
 
     ns = NodeSource(None, "p")
     with shared_provenance():
@@ -100,7 +100,7 @@ def test_lazy_recompiles_generate_the_code_of_the_current_graph():
     GraphModule is restored."""
     from torch.fx import GraphModule
 
-    from shram_static.export.fx_speedups import lazy_recompiles
+    from shram_static.export.bookkeeping import lazy_recompiles
 
     def edit(gm, fn):  # the one operation becomes `fn`
         for n in gm.graph.nodes:
@@ -128,6 +128,28 @@ def test_lazy_recompiles_generate_the_code_of_the_current_graph():
         edit(pending, operator.mul)  # left pending at the end of the block
     assert GraphModule.recompile is real
     assert "a * 1.0" in pending._code and torch.equal(pending(x), x * 1.0)
+
+
+def test_cached_type_hints_write_the_same_json():
+    """ExecuTorch's dataclass encoder writes the same JSON with a class's type hints looked up
+    once; restored after."""
+    import json
+    import typing
+
+    from executorch.exir._serialize import _dataclass
+    from executorch.exir.schema import Bool, EValue, Int
+
+    from shram_static.export.bookkeeping import cached_type_hints
+
+    values = [EValue(Int(3)), EValue(Bool(True)), EValue(Int(5))]  # `val` is a Union: *_type keys
+    want = json.dumps(values, cls=_dataclass._DataclassEncoder)
+    looked_up = []
+    hints = typing.get_type_hints
+    with unittest.mock.patch.object(typing, "get_type_hints", lambda c: looked_up.append(c) or hints(c)):
+        with cached_type_hints():
+            assert json.dumps(values, cls=_dataclass._DataclassEncoder) == want
+    assert looked_up.count(EValue) == 1 and len(set(looked_up)) == len(looked_up)
+    assert _dataclass.get_type_hints is hints and "val_type" in want
 
 
 @pytest.fixture(scope="module")
@@ -315,12 +337,12 @@ def _lower(fast: bool, calls: list | None = None, passes: list | None = None,
     metadata (ETDump), not the program."""
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
 
-    from shram_static.export import fx_speedups, lowering
+    from shram_static.export import bookkeeping, lowering
     from shram_static.export.partition import xnnpack_partitioner
 
     methods = _methods()
     config = EdgeCompileConfig(_check_ir_validity=False)
-    blocks = (fx_speedups.shared_provenance(), fx_speedups.lazy_recompiles(),
+    blocks = (bookkeeping.shared_provenance(), bookkeeping.lazy_recompiles(), bookkeeping.cached_type_hints(),
               lowering.needed_edge_passes_only(), lowering.one_edge_conversion_trace(),
               lowering.needed_xnnpack_passes_only(), lowering.faster_partitioning(),
               lowering.delegate_outputs_from_metadata()) if fast else ()
@@ -537,7 +559,7 @@ def test_a_method_lowered_elsewhere_emits_the_same_program():
     from executorch.exir import EdgeCompileConfig, EdgeProgramManager, ExecutorchBackendConfig
     from executorch.runtime import Runtime
 
-    from shram_static.export import fx_speedups, lowering
+    from shram_static.export import bookkeeping, lowering
     from shram_static.export.edge_transfer import edge_program_from_value, edge_program_to_value
     from shram_static.export.partition import xnnpack_partitioner
 
@@ -548,7 +570,8 @@ def test_a_method_lowered_elsewhere_emits_the_same_program():
     pos = torch.ones(1, dtype=torch.long)
     config = EdgeCompileConfig(_check_ir_validity=False)
     methods = {n: (mods[n], (torch.randn(b, 8), pos)) for n, b in (("forward", 1), ("prefill", 3))}
-    with fx_speedups.shared_provenance(), fx_speedups.lazy_recompiles(), lowering.needed_edge_passes_only(), lowering.one_edge_conversion_trace(), \
+    with bookkeeping.shared_provenance(), bookkeeping.lazy_recompiles(), bookkeeping.cached_type_hints(), \
+            lowering.needed_edge_passes_only(), lowering.one_edge_conversion_trace(), \
             lowering.needed_xnnpack_passes_only(), lowering.faster_partitioning():  # as lower_program
         edges = {n: lowering.export_and_lower({n: m}, xnnpack_partitioner(), {}, config).exported_program(n)
                  for n, m in methods.items()}

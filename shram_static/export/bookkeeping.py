@@ -1,8 +1,11 @@
-"""torch.fx bookkeeping that lowering repeats without using: made cheaper for the duration of
-a lowering, without changing any graph or program (each helper says why that holds).
+"""Bookkeeping of torch.fx and of ExecuTorch's serializer that a lowering repeats without using
+the repeats: made cheaper for the duration of a lowering, without changing any graph or program
+(each helper says why that holds).
 """
 
 import contextlib
+import functools
+import typing
 import weakref
 
 
@@ -100,3 +103,23 @@ def lazy_recompiles():
         GraphModule.recompile, GraphModule.code, GraphModule.__str__ = real, code, text
         for gm in list(pending):
             realize(gm)
+
+
+@contextlib.contextmanager
+def cached_type_hints():
+    """Within the block, ExecuTorch's JSON encoder of its schema dataclasses (the program and
+    each XNNPACK delegate's graph, on their way to `flatc`) looks up each class's type hints
+    once, not once per field of every object.
+
+    WHY: `_DataclassEncoder.default` calls `typing.get_type_hints(type(o))` for every field it
+    writes: 33122 calls, 4.4 of the 69.7 s of a profiled built-in `.pte` lowering. A class's
+    hints do not change while it is being written; the JSON is the same.
+    """
+    from executorch.exir._serialize import _dataclass
+
+    hints = _dataclass.get_type_hints
+    _dataclass.get_type_hints = functools.cache(typing.get_type_hints)
+    try:
+        yield
+    finally:
+        _dataclass.get_type_hints = hints
