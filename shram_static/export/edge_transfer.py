@@ -39,14 +39,13 @@ def edge_program_to_value(ep) -> tuple:
     lowered, data = _lowered_modules(ep), {}
     try:
         for name, m in lowered.items():
-            orig = m.original_module
-            data[name] = (m._named_data_store_output,
-                          {k: t for d in (orig.state_dict, orig.constants) for k, t in d.items()
-                           if isinstance(t, torch.Tensor)})
+            orig, tensors = m.original_module, {}
+            data[name] = (m._named_data_store_output, tensors)  # before any change: `_put_back` undoes
             m._named_data_store_output = None
             for d in (orig.state_dict, orig.constants):
                 for k, t in d.items():
                     if isinstance(t, torch.Tensor):
+                        tensors[k] = t
                         meta = t.detach().to("meta")
                         is_param = isinstance(t, torch.nn.Parameter)
                         d[k] = torch.nn.Parameter(meta, t.requires_grad) if is_param else meta
