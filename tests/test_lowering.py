@@ -337,15 +337,11 @@ def _lower(fast: bool, calls: list | None = None, passes: list | None = None,
     metadata (ETDump), not the program."""
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
 
-    from shram_static.export import bookkeeping, lowering
+    from shram_static.export import lowering
     from shram_static.export.partition import xnnpack_partitioner
 
     methods = _methods()
     config = EdgeCompileConfig(_check_ir_validity=False)
-    blocks = (bookkeeping.shared_provenance(), bookkeeping.lazy_recompiles(), bookkeeping.cached_type_hints(),
-              lowering.needed_edge_passes_only(), lowering.one_edge_conversion_trace(),
-              lowering.needed_xnnpack_passes_only(), lowering.faster_partitioning(),
-              lowering.delegate_outputs_from_metadata()) if fast else ()
     with contextlib.ExitStack() as stack:
         handles = importlib.import_module("executorch.exir.passes.debug_handle_generator_pass")
         stack.enter_context(unittest.mock.patch.object(handles, "get_greatest_ancestor_node_identifier",
@@ -355,8 +351,8 @@ def _lower(fast: bool, calls: list | None = None, passes: list | None = None,
             run_delegate = hop.call_delegate_cpu
             stack.enter_context(unittest.mock.patch.object(
                 hop, "call_delegate_cpu", lambda *a: delegate_runs.append(1) or run_delegate(*a)))
-        for b in blocks:
-            stack.enter_context(b)
+        if fast:
+            stack.enter_context(lowering.lowering_speedups())
         if calls is not None:
             decompose, export = torch.export.ExportedProgram.run_decompositions, torch.export.export
             stack.enter_context(unittest.mock.patch.object(
@@ -559,7 +555,7 @@ def test_a_method_lowered_elsewhere_emits_the_same_program():
     from executorch.exir import EdgeCompileConfig, EdgeProgramManager, ExecutorchBackendConfig
     from executorch.runtime import Runtime
 
-    from shram_static.export import bookkeeping, lowering
+    from shram_static.export import lowering
     from shram_static.export.edge_transfer import edge_program_from_value, edge_program_to_value
     from shram_static.export.partition import xnnpack_partitioner
 
@@ -570,9 +566,7 @@ def test_a_method_lowered_elsewhere_emits_the_same_program():
     pos = torch.ones(1, dtype=torch.long)
     config = EdgeCompileConfig(_check_ir_validity=False)
     methods = {n: (mods[n], (torch.randn(b, 8), pos)) for n, b in (("forward", 1), ("prefill", 3))}
-    with bookkeeping.shared_provenance(), bookkeeping.lazy_recompiles(), bookkeeping.cached_type_hints(), \
-            lowering.needed_edge_passes_only(), lowering.one_edge_conversion_trace(), \
-            lowering.needed_xnnpack_passes_only(), lowering.faster_partitioning():  # as lower_program
+    with lowering.lowering_speedups():  # as lower_program
         edges = {n: lowering.export_and_lower({n: m}, xnnpack_partitioner(), {}, config).exported_program(n)
                  for n, m in methods.items()}
     sent = edge_program_from_value(pickle.loads(pickle.dumps(edge_program_to_value(edges["prefill"]))))

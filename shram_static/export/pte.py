@@ -37,9 +37,7 @@ from ..step import StepModule
 from .edge_transfer import edge_program_from_value, edge_program_to_value
 from .forked import run_jobs
 from .partition import xnnpack_partitioner
-from .bookkeeping import cached_type_hints, lazy_recompiles, shared_provenance
-from .lowering import (delegate_outputs_from_metadata, export_and_lower, faster_partitioning,
-                       needed_edge_passes_only, needed_xnnpack_passes_only, one_edge_conversion_trace)
+from .lowering import export_and_lower, lowering_speedups
 from .quantize import QUANTIZE_MODES, quantize_weights_
 from .views import state_view_planning, written_cache_views_pass
 
@@ -270,9 +268,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     # one: prefill's graph is the larger (20 against 13 s on the built-in model), and reading a
     # forked method back here (seconds) comes after this process's own lowering.
     jobs = {name: functools.partial(lower, name) for name in reversed(methods)}
-    with shared_provenance(), lazy_recompiles(), cached_type_hints(), needed_edge_passes_only(), \
-            one_edge_conversion_trace(), needed_xnnpack_passes_only(), faster_partitioning(), \
-            delegate_outputs_from_metadata():
+    with lowering_speedups():
         edges = run_jobs(jobs, edge_program_to_value, edge_program_from_value, parallel)
         edge = EdgeProgramManager({name: edges[name] for name in methods}, constant_methods=constants,
                                   compile_config=config)
