@@ -15,6 +15,28 @@ def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(mask, 0.0, torch.finfo(dtype).min / 2).to(dtype)
 
 
+def slot_bias(last: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`attention_bias(slots <= last, dtype)`, bit for bit, in float arithmetic.
+
+    WHY: the comparison and `where` of a mask run on ExecuTorch's portable kernels, which take
+    ~1 ns per element with broadcasting (a prefill chunk's per-layer sparse mask is L*C*(T+1)
+    elements); a subtraction, a product and a clamp stay in the XNNPACK delegate. The product
+    sends every gap of at least one slot past the float range, so the clamp gives exactly 0 or
+    finfo(dtype).min / 2 (no NaN: the gaps are finite, and 0 * max is 0).
+
+    Args:
+        last: (..., 1) integer tensor, the last visible slot.
+        slots: (S,) float32 slot numbers (integers below 2**24, exact in float32).
+        dtype: the scores' dtype.
+
+    Returns:
+        (..., S) bias: 0 where slots <= last, finfo(dtype).min / 2 elsewhere.
+    """
+    gap = last.to(torch.float32) - slots  # (..., S), >= 0 where visible
+    big = torch.finfo(torch.float32).max
+    return (gap * big).clamp(min=torch.finfo(dtype).min / 2, max=0.0).to(dtype)
+
+
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                      scale: float, seen: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + bias) v, with rows that see nothing giving 0.

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .attention import attention_bias, masked_attention
+from .attention import attention_bias, masked_attention, slot_bias
 from .rope import apply_rope
 from .routing import route
 from .state import StaticState
@@ -45,7 +45,7 @@ class Shared(NamedTuple):
     blocks_done: torch.Tensor  # (B, 1) input_pos // W: tokens each expert held at closed blocks
     head_base: torch.Tensor  # (B, 1, 1) b * L, the row's first (b, l) cache head
     ar_l: torch.Tensor  # arange(L)
-    sink_last: torch.Tensor  # (T + 1,) arange(T), then int64 max at the sink (never attended)
+    slots: torch.Tensor  # (T + 1,) float32 arange(T), then 2**24 at the sink (past every slot: never attended)
 
 
 class Dims(NamedTuple):
@@ -87,6 +87,8 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
     Wn, W, R, T = cfg.window_size, cfg.block_length, ring, cfg.mosrah_cache_length
     dims = Dims(B, C, H, L, cfg.num_selected_heads, u, R, T, 1 / math.sqrt(u),
                 model.rope.sparse_factor / math.sqrt(u), inplace)
+    if cfg.inference_sequence_length >= 2 ** 24:  # slot numbers are compared in float32 (`slot_bias`)
+        raise ValueError(f"inference_sequence_length must be below 2**24, got {cfg.inference_sequence_length}")
     dev = tokens.device
     ar_b = torch.arange(B, device=dev)
 
@@ -114,7 +116,7 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
                 attention_bias(local_mask, dtype), local_mask.any(-1, keepdim=True).to(dtype),
                 main_cos, main_sin, (input_pos % W != 0)[:, None], live.any(1, keepdim=True),
                 (input_pos // W)[:, None], (ar_b * L)[:, None, None], torch.arange(L, device=dev),
-                torch.where(ar_t < T, ar_t, torch.iinfo(torch.long).max))
+                torch.where(ar_t < T, ar_t, 2 ** 24).float())
 
     # WHY the per-layer function is a nested compile region under torch.compile: Inductor then
     # compiles the repeated layer once instead of unrolling every layer into its own C++ (cold
@@ -179,12 +181,15 @@ def _layer_step(layer, rope, x: torch.Tensor, st: tuple, sh: Shared, dims: Dims)
         qs, ks = apply_rope(qs, cos, sin), apply_rope(ks, cos, sin)
         sk = _write(sk, rows, ks.reshape(-1, u), inplace)
         sv = _write(sv, rows, vs.reshape(-1, u), inplace)
-        hsel = head.reshape(-1)
-        kc = sk.view(B * L, T + 1, u).index_select(0, hsel).view(B, C, K, T + 1, u)
-        vc = sv.view(B * L, T + 1, u).index_select(0, hsel).view(B, C, K, T + 1, u)
-        mask = (sh.sink_last <= slot[..., None])[..., None, :]  # (B, C, K, 1, T+1)
         # Every query sees at least slot 0 of its expert (dead ones too): no `seen` multiplier.
-        ys = masked_attention(qs[..., None, :], kc, vc, attention_bias(mask, qs.dtype), sparse_scale)[..., 0, :]
+        if C > 1:
+            ys = _attend_by_expert(qs, sk, sv, idx, held, sh, dims)
+        else:
+            hsel = head.reshape(-1)
+            kc = sk.view(B * L, T + 1, u).index_select(0, hsel).view(B, C, K, T + 1, u)
+            vc = sv.view(B * L, T + 1, u).index_select(0, hsel).view(B, C, K, T + 1, u)
+            bias = slot_bias(slot[..., None], sh.slots, qs.dtype)[..., None, :]  # (B, C, K, 1, T+1)
+            ys = masked_attention(qs[..., None, :], kc, vc, bias, sparse_scale)[..., 0, :]
         # A row with no live token keeps its state bit for bit (not just equivalently).
         taken_new = (taken_new & sh.row_live) | (taken & ~sh.row_live)
         taken = taken_new if not inplace else taken.copy_(taken_new)
@@ -198,6 +203,37 @@ def _layer_step(layer, rope, x: torch.Tensor, st: tuple, sh: Shared, dims: Dims)
 
 
 _nested_layer_step = torch.compiler.nested_compile_region(_layer_step)
+
+
+def _attend_by_expert(qs: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, idx: torch.Tensor,
+                      held: torch.Tensor, sh: Shared, dims: Dims) -> torch.Tensor:
+    """Sparse attention of a chunk (C > 1), one batch per expert: every expert's cache attended
+    in place by the chunk's queries, each query kept only at the experts it selected.
+
+    WHY not one gathered cache per query, as at decode: a chunk gathered C*K whole expert caches
+    per layer (k and v: 8.5 MB at the bench model's C = 32, K = 4, T = 516), a copy, and
+    XNNPACK then packed every gathered v for its bmm. By expert the caches are read where they
+    lie; the scores grow L/K-fold (L*C*(T+1) per row), still small beside the linears. At one
+    token per row the K gathered caches are fewer bytes than all L, so decode keeps the gather.
+
+    Args:
+        qs: (B, C, K, u) queries at the selected experts; sk, sv: (B*L*(T+1), u) written caches.
+        idx: (B, C, K) selected experts; held: (B, C, L) the slot each token has (or would have)
+            in each expert, the last one it may see.
+
+    Returns:
+        (B, C, K, u) attention outputs, as the gathered form gives them.
+    """
+    B, C, H, L, K, u, R, T, _, scale, _ = dims
+    # one-hot (BC, K, L): moving rows between the K and L layouts as batched matmuls is exact
+    # (one 1 per selected row, finite zeros elsewhere) and stays in the XNNPACK delegate
+    hot = (idx.view(B, C, K, 1) == sh.ar_l).to(qs.dtype).view(B * C, K, L)
+    qg = torch.bmm(hot.transpose(1, 2), qs.reshape(B * C, K, u))  # (BC, L, u), 0 where not selected
+    qg = qg.view(B, C, L, u).transpose(1, 2)  # (B, L, C, u)
+    # cast before the transpose: XNNPACK transposes floats, an int64 one is a portable kernel
+    bias = slot_bias(held.float().transpose(1, 2)[..., None], sh.slots, qs.dtype)  # (B, L, C, T+1)
+    y = masked_attention(qg, sk.view(B, L, T + 1, u), sv.view(B, L, T + 1, u), bias, scale)  # (B, L, C, u)
+    return torch.bmm(hot, y.transpose(1, 2).reshape(B * C, L, u)).view(B, C, K, u)
 
 
 class StepModule(nn.Module):

@@ -203,3 +203,21 @@ def test_entmax12_matches_reference_package():
         assert (ours - ref).abs().max() <= 2e-6, (L, scale, (ours - ref).abs().max())
         assert torch.allclose(ours.sum(-1), torch.ones(200), atol=1e-6)
     assert torch.allclose(entmax12(torch.zeros(1, 8)), torch.full((1, 8), 1 / 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_slot_bias_is_the_mask_bias_bit_for_bit(dtype):
+    """The float-arithmetic sparse mask against the comparison it replaces: slots up to `last`
+    visible, every later one and the sink (2**24) never, for gaps of one slot, of thousands and
+    near 2**24 (whose product overflows to -inf before the clamp)."""
+    from shram_static.attention import attention_bias, slot_bias
+
+    T = 517
+    slot_ids = torch.cat([torch.arange(T), torch.tensor([2 ** 24])])  # the step's layout: sink last
+    last = torch.tensor([0, 1, 2, 7, T - 2, T - 1, T, T + 40, 2 ** 20, 2 ** 24 - 2])[:, None, None]
+    want = attention_bias(slot_ids <= last, dtype)  # (10, 1, T+1)
+    got = slot_bias(last, slot_ids.float(), dtype)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.equal(got, want)
+    assert bool((got[..., -1] < 0).all())  # the sink is never visible
+    assert bool((got[0, 0, 1:] < 0).all()) and got[0, 0, 0] == 0  # slot 0 only
