@@ -310,8 +310,7 @@ def add_ratios(results: list[dict], bandwidth: float) -> None:
             p["x_floor"] = round(p["decode_ms"] / r["floor_ms"], 2)
             q = ref_pts.get(p["context"])
             p["x_compiled"] = round(q["decode_ms"] / p["decode_ms"], 2) if q else None
-            p["x_compiled_best"] = (round(q["decode_ms_best"] / p["decode_ms_best"], 2)
-                                    if q and "decode_ms_best" in q and "decode_ms_best" in p else None)
+            p["x_compiled_best"] = round(q["decode_ms_best"] / p["decode_ms_best"], 2) if q else None
 
 
 def _subprocess(args: list[str]) -> dict:

@@ -11,9 +11,8 @@ from shram_static.bench import add_ratios, contexts, measure_interleaved
 
 
 def _result(backend, ms, model="m", batch=1, read_bytes=2_000_000, best=None):
-    points = [dict(context=64, decode_ms=ms[0]), dict(context=200, decode_ms=ms[1])]
-    for p, b in zip(points, best or ()):
-        p["decode_ms_best"] = b
+    """A result as `bench` assembles it; the best rounds' medians default to the medians."""
+    points = [dict(context=c, decode_ms=m, decode_ms_best=b) for c, m, b in zip((64, 200), ms, best or ms)]
     return dict(model=model, backend=backend, batch=batch, read_bytes=read_bytes, points=points)
 
 
@@ -25,7 +24,7 @@ def test_ratios_are_against_the_same_model_batch_and_context():
     assert [p["x_compiled"] for p in rs[1]["points"]] == [0.67, 2.0]  # speed: compiled ms / pte ms
     assert [p["x_floor"] for p in rs[1]["points"]] == [1.5, 1.0]
     assert [p["x_compiled"] for p in rs[2]["points"]] == [None, None]  # no compiled run at B=4
-    assert [p["x_compiled_best"] for p in rs[1]["points"]] == [None, None]  # no best rounds given
+    assert [p["x_compiled_best"] for p in rs[2]["points"]] == [None, None]
     # the best-round ratio pairs each backend's own quietest round
     rs = [_result("compiled", (2.0, 4.0), best=(1.5, 3.0)), _result("pte", (3.0, 2.0), best=(1.5, 1.0))]
     add_ratios(rs, bandwidth=1e9)
