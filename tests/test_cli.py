@@ -58,24 +58,19 @@ def test_module_generate(builtin_expected):
 
 
 @pytest.mark.heavy
-def test_module_error_exits_2(tmp_path):
-    r = _run(sys.executable, "-m", "shram_static", "generate", "--prompt", "Hello",
-             "--checkpoint", str(tmp_path / "missing"))
+def test_installed_entry_point_exits_2_on_error(tmp_path):
+    """The `shram-static` console script that `pip install -e .` puts on PATH, on a missing
+    checkpoint: exit status 2, the progress line and one `error:` line, no traceback, nothing
+    logged by third-party imports. (Its success path is the same `main`: test_module_generate
+    runs it through `python -m shram_static`; one interpreter start per test is ~10 s here.)"""
+    exe = shutil.which("shram-static")
+    assert exe is not None, "shram-static is not on PATH: the package's console script did not install"
+    r = _run(exe, "generate", "--prompt", "Hello", "--checkpoint", str(tmp_path / "missing"))
     assert r.returncode == 2
     err = r.stderr.decode().strip().splitlines()
     assert err[-1].startswith("error: ") and "missing" in err[-1]
     assert b"Traceback" not in r.stderr and r.stdout == b""
-    # the progress line and the error, nothing logged by third-party imports before them
     assert err == [f"loading {tmp_path / 'missing'} ...", err[-1]], err
-
-
-def test_installed_entry_point(builtin_expected):
-    """The `shram-static` console script that `pip install -e .` puts on PATH."""
-    exe = shutil.which("shram-static")
-    assert exe is not None, "shram-static is not on PATH: the package's console script did not install"
-    r = _run(exe, "generate", "--prompt", "Hello", "--max-new-tokens", "8")
-    assert r.returncode == 0, r.stderr.decode()
-    assert r.stdout.decode("utf-8") == builtin_expected + "\n"
 
 
 # -- in process (same code path, no interpreter start-up) ------------------------------------
