@@ -221,3 +221,15 @@ def test_slot_bias_is_the_mask_bias_bit_for_bit(dtype):
     assert torch.equal(got, want)
     assert bool((got[..., -1] < 0).all())  # the sink is never visible
     assert bool((got[0, 0, 1:] < 0).all()) and got[0, 0, 0] == 0  # slot 0 only
+
+
+def test_step_refuses_a_capacity_past_float32_slot_numbers():
+    """`slot_bias` compares slot numbers in float32 with the sink at 2**24: a longer context
+    would make the sink visible, so the step refuses it before touching any state."""
+    from shram_static.step import step
+
+    model = random_model(4)
+    model.config.inference_sequence_length = 2 ** 24
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="inference_sequence_length must be below 2\\*\\*24"):
+        step(model, [], ids, torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool), 4, True)
