@@ -66,9 +66,13 @@ class FusedExperts(nn.Module):
         # a constant, not an arange per call (each is a portable op in the exported step)
         self.register_buffer("experts", torch.arange(L, device=like["device"]), persistent=False)
 
-    def select(self, idx: torch.Tensor) -> torch.Tensor:
+    def select(self, idx: torch.Tensor, hot: torch.Tensor | None = None) -> torch.Tensor:
         """The selection `project` and `output` take: idx (B, C, K) -> one-hot (B*C, K, L) float,
-        1 at each selected expert (made once per layer: its == and cast are portable ops)."""
+        1 at each selected expert (made once per layer: its == and cast are portable ops);
+        `hot`, that one-hot if the caller has made it already (the prefill step does), is taken
+        as it is."""
+        if hot is not None:
+            return hot
         B, C, K = idx.shape
         # view, not idx[..., None]: outside a delegate a view_copy is free, an unsqueeze_copy a kernel
         hot = idx.view(B, C, K, 1) == self.experts  # (B, C, K, L)

@@ -80,9 +80,9 @@ class BEA(nn.Module):
         self.v_proj = nn.Parameter(torch.empty(L, d, u))
         self.o_proj = nn.Parameter(torch.empty(L, u, d))
 
-    def select(self, idx: torch.Tensor) -> torch.Tensor:
+    def select(self, idx: torch.Tensor, hot: torch.Tensor | None = None) -> torch.Tensor:
         """The selection `project` and `output` take: the expert indices idx (B, C, K) as they are
-        (`FusedExperts.select` makes its one-hot form)."""
+        (`FusedExperts.select` takes or makes their one-hot form `hot`, unused here)."""
         return idx
 
     def project(self, h: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

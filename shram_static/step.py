@@ -167,14 +167,17 @@ def _layer_step(layer, rope, x: torch.Tensor, st: tuple, sh: Shared, dims: Dims)
         idx, P, taken_new = route(h, sa.router.routing_weight, live, input_pos, taken_eff, K)
         routing.append(torch.where(live[..., None], idx, -1))
         held = (sh.blocks_done + taken_eff.long())[:, None, :]  # (B, 1, L) tokens per expert
+        hot = None
         if C > 1:  # plus earlier tokens of the chunk (a static shape: there are none at decode)
-            sel = (idx[..., None] == sh.ar_l).any(-2) & live[..., None]  # (B, C, L)
+            chosen = idx.view(B, C, K, 1) == sh.ar_l  # (B, C, K, L), made once per layer
+            sel = chosen.any(-2) & live[..., None]  # (B, C, L)
             held = held + sel.long().cumsum(1) - sel.long()  # (B, C, L)
+            hot = chosen.to(h.dtype).view(B * C, K, L)  # for `_attend_by_expert` and `bea.select`
         slot = held.gather(-1, idx)  # (B, C, K) index in S_l
         head = sh.head_base + idx  # (B, C, K) row of (b, l) in the cache
         wslot = torch.where(live[..., None] & (slot < T), slot, T)  # T is the sink
         rows = (head * (T + 1) + wslot).reshape(-1)  # (B*C*K,)
-        pick = bea.select(idx)  # once per layer: `project` and `output` both take it
+        pick = bea.select(idx, hot)  # once per layer: `project` and `output` both take it
         qs, ks, vs = bea.project(h, pick)  # (B, C, K, u)
         # main_sequence: the step's shared rows; semantic_sequence: at the index in S_l (B, C, K, u)
         cos, sin = (sh.main_cos, sh.main_sin) if sh.main_cos is not None else rope.sparse(slot)
@@ -183,7 +186,7 @@ def _layer_step(layer, rope, x: torch.Tensor, st: tuple, sh: Shared, dims: Dims)
         sv = _write(sv, rows, vs.reshape(-1, u), inplace)
         # Every query sees at least slot 0 of its expert (dead ones too): no `seen` multiplier.
         if C > 1:
-            ys = _attend_by_expert(qs, sk, sv, idx, held, sh, dims)
+            ys = _attend_by_expert(qs, sk, sv, hot, held, sh, dims)
         else:
             hsel = head.reshape(-1)
             kc = sk.view(B * L, T + 1, u).index_select(0, hsel).view(B, C, K, T + 1, u)
@@ -205,7 +208,7 @@ def _layer_step(layer, rope, x: torch.Tensor, st: tuple, sh: Shared, dims: Dims)
 _nested_layer_step = torch.compiler.nested_compile_region(_layer_step)
 
 
-def _attend_by_expert(qs: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, idx: torch.Tensor,
+def _attend_by_expert(qs: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, hot: torch.Tensor,
                       held: torch.Tensor, sh: Shared, dims: Dims) -> torch.Tensor:
     """Sparse attention of a chunk (C > 1), one batch per expert: every expert's cache attended
     in place by the chunk's queries, each query kept only at the experts it selected.
@@ -218,16 +221,15 @@ def _attend_by_expert(qs: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, idx:
 
     Args:
         qs: (B, C, K, u) queries at the selected experts; sk, sv: (B*L*(T+1), u) written caches.
-        idx: (B, C, K) selected experts; held: (B, C, L) the slot each token has (or would have)
-            in each expert, the last one it may see.
+        hot: (B*C, K, L) the selected experts, one-hot in qs's dtype; held: (B, C, L) the slot
+            each token has (or would have) in each expert, the last one it may see.
 
     Returns:
         (B, C, K, u) attention outputs, as the gathered form gives them.
     """
     B, C, H, L, K, u, R, T, _, scale, _ = dims
-    # one-hot (BC, K, L): moving rows between the K and L layouts as batched matmuls is exact
-    # (one 1 per selected row, finite zeros elsewhere) and stays in the XNNPACK delegate
-    hot = (idx.view(B, C, K, 1) == sh.ar_l).to(qs.dtype).view(B * C, K, L)
+    # rows move between the K and L layouts as batched matmuls with the one-hot: exact (one 1 per
+    # selected row, finite zeros elsewhere) and inside the XNNPACK delegate
     qg = torch.bmm(hot.transpose(1, 2), qs.reshape(B * C, K, u))  # (BC, L, u), 0 where not selected
     qg = qg.view(B, C, L, u).transpose(1, 2)  # (B, L, C, u)
     # cast before the transpose: XNNPACK transposes floats, an int64 one is a portable kernel
