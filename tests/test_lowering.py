@@ -415,8 +415,61 @@ def test_lowering_speedups_give_the_stock_program(caplog):
     assert [stock_passes.count(p) for p in _PER_OP_EDGE_PASSES] == [2, 2, 2, 2]
     assert [fast_passes.count(p) for p in _PER_OP_EDGE_PASSES] == [0, 0, 0, 0]
     assert fast_passes.count("FusedEdgeConversionPass") == 2
+    # torch's view-to-copy re-trace: in place on the fast path (the module's graph has views)
+    assert (stock_passes.count("ReplaceViewOpsWithViewCopyOpsPass"), fast_passes.count("ViewOpsToCopiesInPlace"),
+            fast_passes.count("ReplaceViewOpsWithViewCopyOpsPass")) == (2, 2, 0)
     assert fast == stock
     assert not [r for r in caplog.records if "DEPRECATION WARNING" in r.getMessage()]
+
+
+class _Views(torch.nn.Module):
+    """Views of every kind the step makes (reshape, transpose, slice, select, unsqueeze,
+    expand), and same-dtype `_to_copy`s of dense inputs, which torch's view pass keeps or drops
+    alike on views and on their copies; `tail` adds one it does not."""
+
+    def __init__(self, tail=None):
+        super().__init__()
+        self.tail = tail
+
+    def forward(self, x):  # (4, 6)
+        y = x[1:3].reshape(2, 6).t()  # (6, 2), dense, transposed
+        z = y.to(torch.float32, copy=True) + x[0].unsqueeze(-1)[:, :1].expand(6, 2)
+        z = z.to(torch.float64) * 2  # a cast that stays
+        return z if self.tail is None else (z, self.tail(x))
+
+
+def _view_graphs(tail=None):
+    """Two copies of the decomposed graph of `_Views(tail)`."""
+    with torch.no_grad():
+        ep = torch.export.export(_Views(tail), (torch.randn(4, 6),), strict=False).run_decompositions({})
+    return ep.graph_module, copy.deepcopy(ep.graph_module)
+
+
+def _targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_view_ops_to_copies_in_place_is_torchs_pass():
+    """The in-place view-to-copy rewrite gives torch's pass's targets; on a graph where a stride
+    it leaves stale could change `to_edge`'s `_to_copy` clean-up (a non-dense view cast, a
+    layout asked for), it changes nothing and says so, and torch's pass runs."""
+    from torch._export.passes import ReplaceViewOpsWithViewCopyOpsPass
+
+    from shram_static.export.lowering import _view_ops_to_copies_in_place
+
+    mine, stock = _view_graphs()
+    views = [t for t in _targets(mine) if isinstance(t, torch._ops.OpOverload) and t.is_view]
+    assert len(views) >= 5
+    assert _view_ops_to_copies_in_place(mine) is True
+    stock = ReplaceViewOpsWithViewCopyOpsPass()(stock).graph_module
+    assert _targets(mine) == _targets(stock)
+    assert not [t for t in _targets(mine) if isinstance(t, torch._ops.OpOverload) and t.is_view]
+    for tail in (lambda x: x[:, ::2].to(torch.float32, copy=True),  # a strided slice: not dense
+                 lambda x: x.t().to(torch.float32, copy=True, memory_format=torch.contiguous_format)):
+        gm, before = _view_graphs(tail)
+        assert torch.ops.aten._to_copy.default in _targets(gm)
+        assert _view_ops_to_copies_in_place(gm) is None
+        assert _targets(gm) == _targets(before)
 
 
 def test_lowering_falls_back_when_a_kept_op_is_rejected(monkeypatch):
