@@ -152,6 +152,39 @@ def test_cached_type_hints_write_the_same_json():
     assert _dataclass.get_type_hints is hints and "val_type" in want
 
 
+def test_mutable_buffers_listed_once_answers_as_executorch():
+    """During memory planning, whether a node is a mutated state buffer is answered from one
+    listing per signature, as ExecuTorch's own check answers it for every node it asks about
+    (the `_Mixed` module writes two buffers); outside the block, the stock check again."""
+    from executorch.exir import ExecutorchBackendConfig, to_edge, memory_planning
+
+    from shram_static.export.bookkeeping import mutable_buffers_listed_once
+
+    stock = memory_planning._is_mutable_buffer
+    edge = to_edge(_exported(_methods()))
+    answers = []
+    with mutable_buffers_listed_once():
+        listed = memory_planning._is_mutable_buffer
+        assert listed is not stock
+        spy = lambda node, sig=None: answers.append((listed(node, sig), stock(node, sig))) or answers[-1][0]  # noqa: E731
+        with unittest.mock.patch.object(memory_planning, "_is_mutable_buffer", spy):
+            edge.to_executorch(ExecutorchBackendConfig(run_reinplace_pass=True))
+    assert memory_planning._is_mutable_buffer is stock
+    assert len(answers) > 20 and all(a == b for a, b in answers), answers
+    assert sum(a for a, _ in answers) >= 2  # both written buffers found
+    # ... and from the listing: the signature's input map is built far less often.
+    from torch.export.graph_signature import ExportGraphSignature
+
+    reads, prop = [], ExportGraphSignature.inputs_to_buffers
+    counted = property(lambda sig: reads.append(1) or prop.fget(sig))
+    with unittest.mock.patch.object(ExportGraphSignature, "inputs_to_buffers", counted):
+        to_edge(_exported(_methods())).to_executorch(ExecutorchBackendConfig(run_reinplace_pass=True))
+        n_stock = len(reads)
+        with mutable_buffers_listed_once():
+            to_edge(_exported(_methods())).to_executorch(ExecutorchBackendConfig(run_reinplace_pass=True))
+    assert len(reads) - n_stock < n_stock - 20, (n_stock, len(reads) - n_stock)
+
+
 @pytest.fixture(scope="module")
 def onnx_step():
     """(step, example inputs, its unoptimized ONNX graph as `torch.onnx.export` makes it from

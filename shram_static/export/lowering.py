@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from .bookkeeping import cached_type_hints, lazy_recompiles, shared_provenance
+from .bookkeeping import cached_type_hints, lazy_recompiles, mutable_buffers_listed_once, shared_provenance
 from .decompose import export_decomposed
 
 
@@ -562,7 +562,7 @@ def lowering_speedups():
     """Within the block, every speed-up of this module and of `bookkeeping` that leaves the
     lowered program as it is (what `pte.lower_program` lowers and emits under; the tests
     compare its bytes with the stock lowering's)."""
-    with shared_provenance(), lazy_recompiles(), cached_type_hints(), needed_edge_passes_only(), \
-            one_edge_conversion_trace(), needed_xnnpack_passes_only(), faster_partitioning(), \
-            delegate_outputs_from_metadata():
+    with shared_provenance(), lazy_recompiles(), cached_type_hints(), mutable_buffers_listed_once(), \
+            needed_edge_passes_only(), one_edge_conversion_trace(), needed_xnnpack_passes_only(), \
+            faster_partitioning(), delegate_outputs_from_metadata():
         yield
