@@ -433,7 +433,7 @@ def test_lowering_speedups_give_the_stock_program(caplog):
     two-step flow (whose support filter the fast path applies itself) is not shown."""
     from executorch.exir.program import _program
 
-    from shram_static.export.lowering import _PER_OP_EDGE_PASSES
+    from shram_static.export.edge_conversion import _PER_OP_EDGE_PASSES
 
     hop = importlib.import_module("torch._higher_order_ops.executorch_call_delegate")
     stock_calls, fast_calls, stock_passes, fast_passes, stock_runs, fast_runs = [], [], [], [], [], []
@@ -488,7 +488,7 @@ def test_view_ops_to_copies_in_place_is_torchs_pass():
     layout asked for), it changes nothing and says so, and torch's pass runs."""
     from torch._export.passes import ReplaceViewOpsWithViewCopyOpsPass
 
-    from shram_static.export.lowering import _view_ops_to_copies_in_place
+    from shram_static.export.edge_conversion import _view_ops_to_copies_in_place
 
     mine, stock = _view_graphs()
     views = [t for t in _targets(mine) if isinstance(t, torch._ops.OpOverload) and t.is_view]
