@@ -1,80 +1,109 @@
-"""Inductor's check of this CPU's vector ISAs, run in parallel before the first compile.
+"""Inductor's choice of vector ISA, checked best-first in a background thread.
 
 Before it generates its first C++ kernel in a process, Inductor decides which vector ISA to
-compile for by building a small probe program once per ISA that the CPU reports (AMX,
-AVX-512 VNNI, AVX-512 with its bf16 variant, AVX2 on a recent x86 machine) and loading each in
-a child Python. It does so one ISA after the other: 20.6 s on this 2-core machine with a cold
-compile cache (a new user's first compile; each probe compiles ATen's vector headers), and
-4.4 s with a warm one (the loads alone), in every process that compiles. The checks are
-independent of each other, so `start_isa_checks` runs each one in its own thread (the work is
-in g++ and child processes, so threads overlap): 13.0 s cold on 2 cores. Inductor then finds
-every answer cached (`functools.cache` on each ISA object) and checks nothing itself.
+compile for (`cpu_vec_isa.pick_vec_isa`). Its `valid_vec_isa_list` builds and loads a probe
+program for every ISA the CPU reports, one after the other, and `pick_vec_isa` then takes the
+first valid one. On an AMX machine that is 11 g++ runs (AMX, AVX-512 VNNI and AVX-512 each
+re-check the ISAs below them, bf16 and fp16 variants included) and 11 child Pythons: 19.7 s with
+a cold compile cache (a new user's first compile), of which the chosen ISA's own checks are
+5.5 s; the rest only ever decides ISAs that are not used.
+
+`start_isa_checks` checks the candidates in Inductor's order in a background thread and stops
+at the first valid one, through exactly the calls Inductor makes (`bool(isa)`, cached per ISA
+object). Meanwhile Dynamo and AOTAutograd trace on the other core; when Inductor first asks
+for the list, it waits for the thread and gets the chosen ISA: the ISA `pick_vec_isa` would
+pick from the full list.
 """
 
+import functools
+import os
 import platform
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 
-def _unchecked_isas() -> list:
-    """The ISA objects Inductor would check in this process (x86-64 Linux and Windows), or []
-    where it has already decided, where it checks nothing, or where its internals differ."""
+def _candidates() -> list | None:
+    """The ISA objects Inductor would check in this process, best first (x86-64 Linux and
+    Windows), or None where it has already decided, where it would not check, or where it
+    would use more of its list than the first valid ISA, or where its internals differ."""
     if platform.machine() not in ("x86_64", "AMD64") or sys.platform not in ("linux", "win32"):
-        return []
+        return None
     try:
         from torch._inductor import config, cpu_vec_isa
-        if config.is_fbcode() or config.cpp.vec_isa_ok is not None:
-            return []
+        if config.is_fbcode() or config.cpp.vec_isa_ok is not None or not _first_is_picked():
+            return None
         if cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:  # decided in this process
-            return []
+            return None
         flags = cpu_vec_isa.x86_isa_checker()
         return [isa for isa in cpu_vec_isa.supported_vec_isa_list
                 if all(f in flags for f in str(isa).split())]
     except Exception:  # noqa: BLE001 (another torch: Inductor checks as usual)
-        return []
+        return None
+
+
+def _first_is_picked() -> bool:
+    """Whether `pick_vec_isa` takes the first entry of the valid list: no `cpp.simdlen` and no
+    ISA named by `ATEN_CPU_CAPABILITY` (which may select a later entry)."""
+    from torch._inductor import config
+
+    return config.cpp.simdlen is None and not os.environ.get("ATEN_CPU_CAPABILITY")
+
+
+class _Checks:
+    """The background check and the `valid_vec_isa_list` that waits for it."""
+
+    def __init__(self, candidates: list, inductors):
+        self.candidates, self.inductors = candidates, inductors
+        self.chosen: list | None = None  # [the first valid ISA] or []; None if a check raised
+        self.thread = threading.Thread(target=self._check, name="shram-isa-checks", daemon=True)
+
+    def _check(self) -> None:
+        try:
+            self.chosen = next(([isa] for isa in self.candidates if isa), [])
+        except Exception:  # noqa: BLE001 (Inductor's own list repeats the check and reports it)
+            pass
+
+    def valid_vec_isa_list(self) -> list:
+        """What Inductor's `valid_vec_isa_list` is while the checks are installed: the chosen ISA
+        alone where `pick_vec_isa` would take the first entry of the full list; else the full
+        list (settings changed since the start, or a check raised)."""
+        self.thread.join()
+        if self.chosen is None or not _first_is_picked():
+            return self.inductors()
+        return list(self.chosen)
 
 
 _lock = threading.Lock()
-_started: threading.Thread | None = None  # this process's checks, once started
+_started: _Checks | None = None  # this process's checks, once started
 
 
 def start_isa_checks() -> threading.Thread | None:
-    """Starts Inductor's ISA checks in background threads, one per ISA, once per process.
+    """Starts the check of Inductor's vector ISA in a background thread, once per process.
 
-    WHY private Inductor names: Inductor offers no public way to run its checks ahead of a
-    compile or in parallel. This calls exactly what `cpu_vec_isa.valid_vec_isa_list` calls
-    (`bool(isa)` on each candidate, which builds and loads the probe) and keeps no result of its
-    own; with any other torch it does nothing and Inductor checks as usual.
-
-    The caller must `join()` the thread before anything compiles: an ISA object that Inductor
-    and a check thread both probe at once could see the other's temporary compiler flags
-    (`VecAVX512.__bool__` rewrites its `_arch_flags` while it checks bf16).
+    WHY private Inductor names: Inductor offers no public way to check ahead of a compile, or
+    to check only until its choice is known. This replaces `cpu_vec_isa.valid_vec_isa_list`,
+    whose only caller is `pick_vec_isa`, with a cached function that waits for the thread and
+    returns the first valid ISA alone (what `pick_vec_isa` takes from the full list when neither
+    `cpp.simdlen` nor `ATEN_CPU_CAPABILITY` is set; otherwise Inductor's own function runs).
+    Nothing compiles before the wait, and nothing else probes ISA objects while the thread
+    does (an ISA object probed by two threads at once could see the other's temporary compiler
+    flags: `VecAVX512.__bool__` rewrites its `_arch_flags` while it checks bf16). With any other
+    torch, a setting that needs the full list, or a decision already made, it does nothing.
 
     Returns:
-        The daemon thread running (or done with) the checks: the same thread for every call in
-        a process, so two decoders never probe one ISA object at once; None when there is
-        nothing to check.
+        The daemon thread running (or done with) the check: the same thread for every call in
+        a process; None when there is nothing to check.
     """
     global _started
     with _lock:
         if _started is None:
-            _started = _start(_unchecked_isas())
-        return _started
+            candidates = _candidates()
+            if candidates is None:
+                return None
+            from torch._inductor import cpu_vec_isa
 
-
-def _start(isas: list) -> threading.Thread | None:
-    """A started daemon thread checking `isas` in a pool of one thread each; None if none."""
-    if not isas:
-        return None
-
-    def check_all():
-        try:
-            with ThreadPoolExecutor(len(isas), thread_name_prefix="shram-isa") as pool:
-                list(pool.map(bool, isas))
-        except Exception:  # noqa: BLE001 (Inductor repeats the failed check and reports it)
-            pass
-
-    thread = threading.Thread(target=check_all, name="shram-isa-checks", daemon=True)
-    thread.start()
-    return thread
+            _started = _Checks(candidates, cpu_vec_isa.valid_vec_isa_list)
+            # Cached like Inductor's (`functools.cache`): one wait and one answer per process.
+            cpu_vec_isa.valid_vec_isa_list = functools.cache(_started.valid_vec_isa_list)
+            _started.thread.start()
+        return _started.thread

@@ -98,7 +98,7 @@ class StaticDecoder(HostDecoder):
             compiles once, on first use. With batch_size <= FEW_ROWS on CPU the compiled decode step
             runs its projections as `RowLinear` on the decoder's own `shared_copy` of the model
             (same weight tensors); the model passed in is never modified. On CPU, Inductor's
-            checks of the machine's vector ISAs start at once, in parallel (`cpu_isa.py`).
+            check of the machine's vector ISA starts at once, in the background (`cpu_isa.py`).
         eos_token_id: id that ends a row in `generate`.
         skip_guards: compile only. Once a step has run with Dynamo's guards checked, later
             calls skip them (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`) for as
@@ -133,8 +133,8 @@ class StaticDecoder(HostDecoder):
         self.skip_guards = skip_guards
         self._tensors: dict[str, list[torch.Tensor]] = {}  # step -> every weight and state tensor
         self._checked: dict[str, list[int]] = {}  # step -> their storages when guards last passed
-        # Inductor's CPU ISA checks, in parallel threads until the first call (cpu_isa.py).
-        self._isa_checks = start_isa_checks() if compile and p.device.type == "cpu" else None
+        if compile and p.device.type == "cpu":  # Inductor's ISA check, beside the first trace
+            start_isa_checks()
         if compile:
             # Two separate compiled functions (two code objects), so each step owns exactly
             # one graph and neither shape ever triggers a recompile of the other.
@@ -158,9 +158,6 @@ class StaticDecoder(HostDecoder):
         fn = self.decode_step if decode else self.prefill_step
         d = self.device
         args = tokens.to(d), input_pos.to(d), live.to(d)
-        if self._isa_checks is not None:  # nothing may compile while they run (cpu_isa.py)
-            self._isa_checks.join()
-            self._isa_checks = None
         if not (self.compiled and self.skip_guards):
             return fn(*args)
         key = "decode" if decode else "prefill"

@@ -129,20 +129,27 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
     routing: list[torch.Tensor] = []
     for i, layer in enumerate(model.model.layers):
         st = tuple(state[5 * i: 5 * i + 5])
-        x, idx, *new = run(layer, model.rope, x, st, sh, dims)
+        # Flat positional arguments: Dynamo fingerprints a nested region's call for reuse by
+        # tracing pytree's flatten of any tuple argument (~4 s of a cold bench-model
+        # compile), and takes a shortcut when every argument is a tensor, constant or module.
+        x, idx, *new = run(layer, model.rope, x, *st, *sh, *dims)
         new_state += new if not inplace else list(st)
         routing.append(idx)
     return model.logits(x), new_state, torch.stack(routing)
 
 
-def _layer_step(layer, rope, x: torch.Tensor, st: tuple, sh: Shared, dims: Dims):
+def _layer_step(layer, rope, x: torch.Tensor, *flat):
     """One decoder layer over the chunk: (x, its 5 state tensors) -> (x, routing, *new state).
+
+    `flat` is the layer's 5 state tensors, then the fields of `Shared`, then those of `Dims`.
 
     Returns the new state tensors only when out of place (in place, the inputs were mutated:
     returning them would alias an output to an input, which a nested compile region rejects).
     """
+    n = 5 + len(Shared._fields)
+    taken, lk, lv, sk, sv = flat[:5]
+    sh, dims = Shared(*flat[5:n]), Dims(*flat[n:])
     B, C, H, L, K, u, R, T, local_scale, sparse_scale, inplace = dims
-    taken, lk, lv, sk, sv = st
     live, input_pos = sh.live, sh.input_pos
     routing = []
 
