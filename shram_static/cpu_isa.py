@@ -3,10 +3,10 @@
 Before it generates its first C++ kernel in a process, Inductor decides which vector ISA to
 compile for (`cpu_vec_isa.pick_vec_isa`). Its `valid_vec_isa_list` builds and loads a probe
 program for every ISA the CPU reports, one after the other, and `pick_vec_isa` then takes the
-first valid one. On an AMX machine that is 11 g++ runs (AMX, AVX-512 VNNI and AVX-512 each
-re-check the ISAs below them, bf16 and fp16 variants included) and 11 child Pythons: 19.7 s with
-a cold compile cache (a new user's first compile), of which the chosen ISA's own checks are
-5.5 s; the rest only ever decides ISAs that are not used.
+first valid one. On this 2-core AMX machine that is 10 g++ runs (AMX, AVX-512 VNNI and AVX-512
+each re-check the ISAs below them, bf16 variant included) and 10 child Pythons: 19.7 s with a
+cold compile cache (a new user's first compile), of which the chosen ISA's own checks are 5.5 s;
+the rest only ever decides ISAs that are not used.
 
 `start_isa_checks` checks the candidates in Inductor's order in a background thread and stops
 at the first valid one, through exactly the calls Inductor makes (`bool(isa)`, cached per ISA
