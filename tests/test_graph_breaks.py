@@ -87,12 +87,18 @@ def test_compiled_steps_never_recompile_and_match_eager(model, B):
     traces = torch._dynamo.utils.compilation_time_metrics  # Dynamo's timed phases, per call
     for k in ("invoke_subgraph_trace", "invoke_subgraph_reuse_stamp_out"):
         traces.pop(k, None)
-    with unittest.mock.patch.object(GraphLowering, "save_output_code", codes.append):
+    # The layer region's calls take flat arguments, which Dynamo fingerprints for reuse without
+    # tracing pytree's flatten (step.py; seconds of a cold compile).
+    fingerprint = torch._dynamo.variables.invoke_subgraph
+    with unittest.mock.patch.object(GraphLowering, "save_output_code", codes.append), \
+            unittest.mock.patch.object(fingerprint, "build_fingerprint_with_pytree",
+                                       wraps=fingerprint.build_fingerprint_with_pytree) as flattened:
         torch.testing.assert_close(comp.prefill(ids[:, :C], mask[:, :C]), eager.prefill(ids[:, :C], mask[:, :C]),
                                    atol=1e-4, rtol=1e-4)
         tok = torch.randint(0, cfg.vocab_size, (B,), generator=gen)
         torch.testing.assert_close(comp.decode(tok), eager.decode(tok), atol=1e-4, rtol=1e-4)
     assert len(codes) == (2 if B > 1 else 1) and not [c for c in codes if "assert_size_stride(" in c]
+    assert flattened.call_count == 0
     # Dynamo traced the nested layer region once per step and reused it for the other layers
     # (step.py: the region returns a flat tuple of tensors, or Dynamo re-traces every layer).
     n_layers = cfg.num_decoder_layers
