@@ -15,7 +15,6 @@ for the list, it waits for the thread and gets the chosen ISA: the ISA `pick_vec
 pick from the full list.
 """
 
-import functools
 import os
 import platform
 import sys
@@ -65,8 +64,9 @@ class _Checks:
 
     def valid_vec_isa_list(self) -> list:
         """What Inductor's `valid_vec_isa_list` is while the checks are installed: the chosen ISA
-        alone where `pick_vec_isa` would take the first entry of the full list; else the full
-        list (settings changed since the start, or a check raised)."""
+        alone where `pick_vec_isa` would take the first entry of the full list; else Inductor's
+        own (cached) full list: a check raised, or a setting asks for another entry. Not cached
+        itself, so a setting changed between two compiles is seen by the second."""
         self.thread.join()
         if self.chosen is None or not _first_is_picked():
             return self.inductors()
@@ -82,7 +82,7 @@ def start_isa_checks() -> threading.Thread | None:
 
     WHY private Inductor names: Inductor offers no public way to check ahead of a compile, or
     to check only until its choice is known. This replaces `cpu_vec_isa.valid_vec_isa_list`,
-    whose only caller is `pick_vec_isa`, with a cached function that waits for the thread and
+    whose only caller is `pick_vec_isa`, with a function that waits for the thread and
     returns the first valid ISA alone (what `pick_vec_isa` takes from the full list when neither
     `cpp.simdlen` nor `ATEN_CPU_CAPABILITY` is set; otherwise Inductor's own function runs).
     Nothing compiles before the wait, and nothing else probes ISA objects while the thread
@@ -103,7 +103,6 @@ def start_isa_checks() -> threading.Thread | None:
             from torch._inductor import cpu_vec_isa
 
             _started = _Checks(candidates, cpu_vec_isa.valid_vec_isa_list)
-            # Cached like Inductor's (`functools.cache`): one wait and one answer per process.
-            cpu_vec_isa.valid_vec_isa_list = functools.cache(_started.valid_vec_isa_list)
+            cpu_vec_isa.valid_vec_isa_list = _started.valid_vec_isa_list
             _started.thread.start()
         return _started.thread

@@ -81,7 +81,6 @@ def test_check_stops_at_the_first_valid_isa_and_inductor_waits_for_it(fakes):
     assert [n for n, _ in seen] == ["avx512 amx_tile", "avx512"]  # not avx2: never used
     assert {t for _, t in seen} == {"shram-isa-checks"}  # in the background thread
     assert cpu_vec_isa.valid_vec_isa_list() == [isas[1]]
-    assert cpu_vec_isa.valid_vec_isa_list.cache_info().hits >= 1  # cached like Inductor's
     seen.clear()
     full, pick = _inductors_pick(isas)
     assert [str(i) for i in full] == ["avx512", "avx2"] and pick is picked[0]  # Inductor's choice
@@ -89,16 +88,20 @@ def test_check_stops_at_the_first_valid_isa_and_inductor_waits_for_it(fakes):
 
 
 @pytest.mark.parametrize("setting", ["simdlen", "capability"])
-def test_settings_that_use_the_full_list_get_inductors_list(fakes, monkeypatch, setting):
+@pytest.mark.parametrize("asked_before", [False, True])
+def test_settings_that_use_the_full_list_get_inductors_list(fakes, monkeypatch, setting, asked_before):
     isas, seen, gate = fakes
     thread = start_isa_checks()
-    # Set after the start, before Inductor asks: the full list, checked by Inductor itself.
+    gate.set()
+    thread.join(timeout=10)
+    if asked_before:  # a first compile without the setting
+        assert str(cpu_vec_isa.pick_vec_isa()) == "avx512"
+    # Set after the start (and after a first compile, or before any): the full list, checked
+    # by Inductor itself, and its pick.
     if setting == "simdlen":
         monkeypatch.setattr(torch._inductor.config.cpp, "simdlen", 256)
     else:
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
-    gate.set()
-    thread.join(timeout=10)
     assert cpu_vec_isa.valid_vec_isa_list() == [isas[1], isas[2]]
     assert str(cpu_vec_isa.pick_vec_isa()) == "avx2"
     # The same setting before the start: nothing is started or replaced.
