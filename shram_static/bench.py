@@ -183,14 +183,18 @@ class Runner:
 
 
 def serve(runner_args: list) -> None:
-    """Worker loop: builds a `Runner`, replies with its info, then answers one JSON request per
-    line on stdin ({"context": c} -> `measure(c)`; {"done": true} -> peak RSS, then exits).
+    """Worker loop: says it has started (its imports are done), waits for a line on stdin, builds
+    a `Runner`, replies with its info, then answers one JSON request per line on stdin
+    ({"context": c} -> `measure(c)`; {"done": true} -> peak RSS, then exits).
 
     WHY the protocol goes to a duplicate of stdout while fd 1 points at stderr: whatever the
     libraries print (Python or C) must not interleave with the replies."""
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    proto.write(json.dumps(dict(started=True)) + "\n")
+    if not sys.stdin.readline():  # the parent went away before loading this worker
+        return
     runner = Runner(*runner_args)
     proto.write(json.dumps(runner.info) + "\n")
     for line in sys.stdin:
@@ -204,6 +208,8 @@ def serve(runner_args: list) -> None:
 class Worker:
     """The parent's handle on one `serve` subprocess (one model, backend and batch size).
 
+    The process starts (imports the package) at construction; `load` builds its runtime.
+
     Args:
         args: the worker's command-line options (`--model ... --backend ...`).
         label: names the worker in progress lines and errors.
@@ -215,8 +221,18 @@ class Worker:
         self.proc = subprocess.Popen([sys.executable, "-m", "shram_static.bench", "--worker", "serve", *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
                                      text=True, bufsize=1)
-        self.info = self.reply()
+        self.info: dict = {}
+        self.contexts: list[int] = []
+
+    def started(self) -> None:
+        """Waits until the worker's imports are done."""
+        self.reply()
+
+    def load(self) -> dict:
+        """Builds the worker's runtime (export load or compile warm-up); returns its info."""
+        self.info = self.ask(dict(load=True))
         self.contexts = self.info["contexts"]
+        return self.info
 
     def reply(self) -> dict:
         line = self.proc.stdout.readline()
@@ -351,12 +367,18 @@ def bench(args) -> int:
                     info(f"[{i + 1}/{len(jobs)}] exporting model={m} backend={be} batch={b} "
                          f"(minutes for a large model) ...")
                     results[i] = _subprocess(["--worker", "export", *opts[i]])
-            # One worker per job, loaded one after another (warm-up times without contention),
-            # then idle (blocked on its stdin) while the others run.
+            # One worker per job. Their processes start at once (each interpreter's imports,
+            # ~7-10 s of CPU here, overlap); once all have started, they load one after another
+            # (warm-up times without contention), then idle (blocked on stdin) while the
+            # others run.
+            info(f"starting {len(jobs)} benchmark workers ...")
             for i, (m, be, b) in enumerate(jobs):
+                workers.append(Worker(opts[i], f"{m}/{be}/B={b}"))  # appended: killed on error
+            for w in workers:
+                w.started()
+            for i, ((m, be, b), w) in enumerate(zip(jobs, workers)):
                 info(f"[{i + 1}/{len(jobs)}] loading model={m} backend={be} batch={b} ...")
-                workers.append(Worker(opts[i], f"{m}/{be}/B={b}"))
-                info(f"  ready in {workers[-1].info['warmup_s']:.0f} s")
+                info(f"  ready in {w.load()['warmup_s']:.0f} s")
             info(f"measuring {len(workers)} backends interleaved, {args.rounds} rounds per context ...")
             points, readings = measure_interleaved(workers, args.rounds, bandwidth, info)
             for w, r, pts in zip(workers, results, points):

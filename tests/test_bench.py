@@ -62,6 +62,46 @@ def test_measurements_interleave_backends_round_by_round():
     assert [p["decode_ms_best"] for p in points[0]] == [12.0, 20.0] and points[1][0]["decode_ms_best"] == 1.0
 
 
+def test_workers_all_start_before_any_loads(monkeypatch):
+    """Every worker process starts (its imports, seconds each) before the first one loads, and
+    they load one after another (warm-up times without contention)."""
+    import shram_static.bench as bench_mod
+
+    log = []
+
+    class Recorder:
+        def __init__(self, args, label):
+            self.label = label
+            log.append(("start", label))
+
+        def started(self):
+            log.append(("started", self.label))
+
+        def load(self):
+            log.append(("load", self.label))
+            self.info = dict(model="bench", backend="eager", batch=int(self.label[-1]), chunk=8,
+                             warmup_s=1.0, read_bytes=10**6, state_bytes=1, contexts=[64])
+            self.contexts = [64]
+            return self.info
+
+        def measure(self, ctx):
+            return dict(prefill_s=0.1, decode_s=[0.01])
+
+        def finish(self):
+            return dict(peak_rss_mib=1.0)
+
+        def kill(self):
+            log.append(("kill", self.label))
+
+    monkeypatch.setattr(bench_mod, "Worker", Recorder)
+    monkeypatch.setattr(bench_mod, "measure_bandwidth", lambda x=None, reps=5: 1e10)
+    assert bench_mod.main(["--models", "bench", "--backends", "eager", "--batch-sizes", "1", "2",
+                           "--rounds", "1"]) == 0
+    a, b = "bench/eager/B=1", "bench/eager/B=2"
+    assert log == [("start", a), ("start", b), ("started", a), ("started", b),
+                   ("load", a), ("load", b), ("kill", a), ("kill", b)]
+
+
 def test_contexts_span_to_near_capacity():
     assert contexts(1024, 32) == [64, 256, 512, 768, 991]
     assert contexts(100, 8) == [25, 50, 64, 75, 91]
