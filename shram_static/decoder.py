@@ -9,6 +9,7 @@ from torch import nn
 
 from .cpu_isa import start_isa_checks
 from .host import HostDecoder
+from .kernel_builds import batched_builds
 from .state import StaticState
 from .step import StepModule
 
@@ -158,15 +159,19 @@ class StaticDecoder(HostDecoder):
         fn = self.decode_step if decode else self.prefill_step
         d = self.device
         args = tokens.to(d), input_pos.to(d), live.to(d)
-        if not (self.compiled and self.skip_guards):
+        if not self.compiled:
             return fn(*args)
+        if not self.skip_guards:
+            with batched_builds():  # a call that may compile: see kernel_builds.py
+                return fn(*args)
         key = "decode" if decode else "prefill"
         if key not in self._tensors:  # walking the module tree per call would cost ~0.6 ms
             mod = self.decode_module if decode else self.module
             self._tensors[key] = [*mod.parameters(), *mod.buffers()]
         ptrs = [t.data_ptr() for t in self._tensors[key]]  # ~0.02 ms
         if self._checked.get(key) != ptrs:  # first call, or a tensor was replaced: check guards
-            out = fn(*args)
+            with batched_builds():
+                out = fn(*args)
             self._checked[key] = ptrs
             return out
         with _guards_skipped():
@@ -178,7 +183,8 @@ class StaticDecoder(HostDecoder):
                 # so nothing changed, and a call with the guards checked compiles the step again.
                 if "skip_guard_eval_unsafe" not in str(e):
                     raise
-        out = fn(*args)
+        with batched_builds():
+            out = fn(*args)
         self._checked[key] = ptrs
         return out
 

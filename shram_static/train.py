@@ -19,6 +19,7 @@ import sys
 import time
 
 from .console import info
+from .kernel_builds import batched_builds
 
 TRAIN_STATE_FILE = "train_state.pt"
 LOG_FILE = "train_log.json"
@@ -325,9 +326,10 @@ def train(args) -> int:
         for g in opt.param_groups:
             g["lr"] = lr
         x, y = sampler.batch(step, dist.rank, dist.world)
-        loss = loss_fn(x.to(dist.device), y.to(dist.device))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        with batched_builds():  # with --compile: its C++ built a few files at a time
+            loss = loss_fn(x.to(dist.device), y.to(dist.device))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(net.parameters(), hp["grad_clip"])
         opt.step()
         step += 1

@@ -9,10 +9,11 @@ import unittest.mock
 
 import pytest
 import torch
+from torch._inductor.async_compile import get_compile_threads
 from torch._inductor.graph import GraphLowering
 
 from helpers import random_config, randomize_
-from shram_static import ShramForCausalLM, StaticDecoder
+from shram_static import ShramForCausalLM, StaticDecoder, kernel_builds
 
 B, C = 2, 4
 
@@ -90,15 +91,27 @@ def test_compiled_steps_never_recompile_and_match_eager(model, B):
     # The layer region's calls take flat arguments, which Dynamo fingerprints for reuse without
     # tracing pytree's flatten (step.py; seconds of a cold compile).
     fingerprint = torch._dynamo.variables.invoke_subgraph
+    # Each step's C++ kernels are built a few files at a time (kernel_builds.py).
+    batches = []
+    build = kernel_builds._Batch._build
+
+    def record(batch):
+        batches.append(build(batch))
+        return batches[-1]
     with unittest.mock.patch.object(GraphLowering, "save_output_code", codes.append), \
             unittest.mock.patch.object(fingerprint, "build_fingerprint_with_pytree",
-                                       wraps=fingerprint.build_fingerprint_with_pytree) as flattened:
+                                       wraps=fingerprint.build_fingerprint_with_pytree) as flattened, \
+            unittest.mock.patch.object(kernel_builds._Batch, "_build", record):
         torch.testing.assert_close(comp.prefill(ids[:, :C], mask[:, :C]), eager.prefill(ids[:, :C], mask[:, :C]),
                                    atol=1e-4, rtol=1e-4)
         tok = torch.randint(0, cfg.vocab_size, (B,), generator=gen)
         torch.testing.assert_close(comp.decode(tok), eager.decode(tok), atol=1e-4, rtol=1e-4)
     assert len(codes) == (2 if B > 1 else 1) and not [c for c in codes if "assert_size_stride(" in c]
     assert flattened.call_count == 0
+    if get_compile_threads() > 1:  # one file per compile thread at most, none built twice
+        assert len(batches) == len(codes)
+        for kernels in batches:
+            assert len({id(k.__self__) for k in kernels}) <= get_compile_threads() < len(kernels)
     # Dynamo traced the nested layer region once per step and reused it for the other layers
     # (step.py: the region returns a flat tuple of tensors, or Dynamo re-traces every layer).
     n_layers = cfg.num_decoder_layers
