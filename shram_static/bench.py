@@ -223,6 +223,7 @@ class Worker:
                                      text=True, bufsize=1)
         self.info: dict = {}
         self.contexts: list[int] = []
+        self.finished = False
 
     def started(self) -> None:
         """Waits until the worker's imports are done."""
@@ -252,14 +253,23 @@ class Worker:
         return self.ask(dict(context=ctx))
 
     def finish(self) -> dict:
-        out = self.ask(dict(done=True))
-        self.proc.wait()
-        return out
+        """The worker's peak RSS; the worker then exits (`close` waits for it)."""
+        self.finished = True
+        return self.ask(dict(done=True))
 
-    def kill(self) -> None:
+    def close(self) -> None:
+        """Waits for a finished worker to exit; kills one that was not asked to finish (an
+        error elsewhere). WHY finish all, then close all: each interpreter's shutdown takes
+        ~1 s here, and this way they overlap."""
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            if self.finished:
+                try:
+                    self.proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    pass
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
         self.err.close()
 
 
@@ -385,7 +395,7 @@ def bench(args) -> int:
                 r.update({k: v for k, v in w.info.items() if k != "contexts"}, points=pts, **w.finish())
         finally:
             for w in workers:
-                w.kill()
+                w.close()
     bw = statistics.median_high(readings)
     print(f"memory read bandwidth, median of {len(readings)} readings between rounds: {bw / 1e9:.1f} GB/s "
           f"(min {min(readings) / 1e9:.1f}, max {max(readings) / 1e9:.1f})", flush=True)

@@ -2,6 +2,11 @@
 (eager on a tiny checkpoint: speed itself is never asserted; the benchmark reports it)."""
 
 import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 
 import pytest
 
@@ -64,7 +69,8 @@ def test_measurements_interleave_backends_round_by_round():
 
 def test_workers_all_start_before_any_loads(monkeypatch):
     """Every worker process starts (its imports, seconds each) before the first one loads, and
-    they load one after another (warm-up times without contention)."""
+    they load one after another (warm-up times without contention); all are asked to finish
+    before the first exit is waited for (their shutdowns overlap)."""
     import shram_static.bench as bench_mod
 
     log = []
@@ -88,10 +94,11 @@ def test_workers_all_start_before_any_loads(monkeypatch):
             return dict(prefill_s=0.1, decode_s=[0.01])
 
         def finish(self):
+            log.append(("finish", self.label))
             return dict(peak_rss_mib=1.0)
 
-        def kill(self):
-            log.append(("kill", self.label))
+        def close(self):
+            log.append(("close", self.label))
 
     monkeypatch.setattr(bench_mod, "Worker", Recorder)
     monkeypatch.setattr(bench_mod, "measure_bandwidth", lambda x=None, reps=5: 1e10)
@@ -99,7 +106,23 @@ def test_workers_all_start_before_any_loads(monkeypatch):
                            "--rounds", "1"]) == 0
     a, b = "bench/eager/B=1", "bench/eager/B=2"
     assert log == [("start", a), ("start", b), ("started", a), ("started", b),
-                   ("load", a), ("load", b), ("kill", a), ("kill", b)]
+                   ("load", a), ("load", b), ("finish", a), ("finish", b), ("close", a), ("close", b)]
+
+
+def test_close_waits_for_a_finished_worker_and_kills_one_that_was_not():
+    from shram_static.bench import Worker
+
+    def worker(cmd, finished):
+        w = Worker.__new__(Worker)  # a process standing in for a worker
+        w.proc, w.err, w.finished = subprocess.Popen(cmd), tempfile.TemporaryFile(mode="w+"), finished
+        return w
+    busy = worker(["sleep", "30"], finished=False)
+    t = time.perf_counter()
+    busy.close()
+    assert busy.proc.returncode == -signal.SIGKILL and time.perf_counter() - t < 5
+    done = worker([sys.executable, "-c", "import time; time.sleep(0.5)"], finished=True)
+    done.close()
+    assert done.proc.returncode == 0 and done.err.closed  # exited on its own
 
 
 def test_contexts_span_to_near_capacity():
