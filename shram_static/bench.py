@@ -101,6 +101,29 @@ def peak_rss_mib() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
+def cpu_times(path: str = "/proc/stat") -> tuple[int, int] | None:
+    """(steal, total) CPU time of the whole machine in clock ticks from the `cpu` line of
+    /proc/stat (Linux; None elsewhere or if unreadable). Steal is time the hypervisor ran
+    something else while this VM had work: a step of hundreds of fork-join operators (a `.pte`)
+    loses far more to it than a few large kernels (export/probes/README.md, section 20)."""
+    try:
+        with open(path) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:]]
+    return ticks[7], sum(ticks[:8])  # user nice system idle iowait irq softirq steal (guest in user)
+
+
+def steal_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Share of the CPU time between two `cpu_times` readings that the hypervisor stole."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round((after[0] - before[0]) / (after[1] - before[1]), 3)
+
+
 def contexts(capacity: int, steps: int) -> list[int]:
     """Context lengths measured: 64, quarter, half and three quarters of capacity, and near it."""
     near = capacity - steps - 1
@@ -390,7 +413,9 @@ def bench(args) -> int:
                 info(f"[{i + 1}/{len(jobs)}] loading model={m} backend={be} batch={b} ...")
                 info(f"  ready in {w.load()['warmup_s']:.0f} s")
             info(f"measuring {len(workers)} backends interleaved, {args.rounds} rounds per context ...")
+            t0 = cpu_times()
             points, readings = measure_interleaved(workers, args.rounds, bandwidth, info)
+            steal = steal_fraction(t0, cpu_times())
             for w, r, pts in zip(workers, results, points):
                 r.update({k: v for k, v in w.info.items() if k != "contexts"}, points=pts, **w.finish())
         finally:
@@ -399,12 +424,16 @@ def bench(args) -> int:
     bw = statistics.median_high(readings)
     print(f"memory read bandwidth, median of {len(readings)} readings between rounds: {bw / 1e9:.1f} GB/s "
           f"(min {min(readings) / 1e9:.1f}, max {max(readings) / 1e9:.1f})", flush=True)
+    if steal is not None:
+        print(f"CPU time stolen by the hypervisor during the measurements: {100 * steal:.0f}%"
+              + (" (above 10%: the speed figures, the .pte's most, read the machine's load more than the "
+                 "code; measure again in a quieter hour)" if steal > 0.1 else ""), flush=True)
     add_ratios(results, bw)
     for r in results:
         print(format_row(r), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(bandwidth_bytes_s=bw, results=results), f, indent=1)
+            json.dump(dict(bandwidth_bytes_s=bw, steal_fraction=steal, results=results), f, indent=1)
     if args.plot:
         plot(results, args.plot)
     return 0

@@ -125,6 +125,20 @@ def test_close_waits_for_a_finished_worker_and_kills_one_that_was_not():
     assert done.proc.returncode == 0 and done.err.closed  # exited on its own
 
 
+def test_steal_is_read_from_proc_stat(tmp_path):
+    from shram_static.bench import cpu_times, steal_fraction
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text("cpu  100 0 20 300 5 0 1 74 0 0\ncpu0 50 0 10 150 2 0 1 37 0 0\n")
+    before = cpu_times(str(stat))
+    assert before == (74, 500)
+    stat.write_text("cpu  160 0 30 330 5 0 1 174 0 0\n")
+    assert steal_fraction(before, cpu_times(str(stat))) == 0.5  # 100 of 200 ticks
+    assert cpu_times(str(tmp_path / "none")) is None and steal_fraction(None, before) is None
+    stat.write_text("intr 1 2 3\n")
+    assert cpu_times(str(stat)) is None
+
+
 def test_contexts_span_to_near_capacity():
     assert contexts(1024, 32) == [64, 256, 512, 768, 991]
     assert contexts(100, 8) == [25, 50, 64, 75, 91]
@@ -148,6 +162,7 @@ def test_bench_command_writes_json_and_plot(tmp_path, capsys):
     assert code == 0, p.err[-2000:]
     res = json.loads(out.read_text())
     assert res["bandwidth_bytes_s"] > 0 and [r["batch"] for r in res["results"]] == [1, 2]
+    assert res["steal_fraction"] is None or 0 <= res["steal_fraction"] <= 1
     for r in res["results"]:
         assert [q["context"] for q in r["points"]] == contexts(128, 2)
         assert all(q["decode_ms"] > 0 and q["x_floor"] > 0 and q["x_compiled"] is None for q in r["points"])
