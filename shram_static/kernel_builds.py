@@ -15,9 +15,10 @@ of about equal size (so the builds still run side by side), each file the kernel
 with the entry function renamed `kernel_<i>`, and Python bindings made by Inductor's own
 template, built and loaded through Inductor's `CppPythonBindingsCodeCache` (same flags, same
 on-disk cache). A kernel whose source does not allow the renaming, or a file that fails to
-build or load, is built the way Inductor builds it, so the result is never worse than
-Inductor's. Outside the context, and with one compile thread, Inductor's path is untouched:
-the patch is process-wide but only acts for the steps of a `StaticDecoder`.
+build or load, is built the way Inductor builds it (the failed file costs its build time once;
+the kernels run are always Inductor's own code). Outside the context, and with one compile
+thread, Inductor's path is untouched: the patch is process-wide but only acts where a caller
+enters the context (the steps of a `StaticDecoder`, `shram-static train --compile`).
 """
 
 import contextlib
@@ -38,7 +39,7 @@ _original = None  # Inductor's AsyncCompile.cpp_pybinding, once patched
 @contextlib.contextmanager
 def batched_builds():
     """Within this context (on this thread), the C++ kernels of each graph Inductor compiles
-    are built a few files at a time. Installs the patch on first use."""
+    are built a few files at a time. Installs the patch on first use; nests; yields nothing."""
     _install()
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
