@@ -6,7 +6,7 @@ compiled `StaticDecoder`, runs one prefill chunk and one decode step, and prints
 it is (`on`) with `shram_static.kernel_builds` switched off (`off`: one file per kernel, as
 Inductor builds them), `--rounds` times, so both see the same load.
 
-Run:  python export/probes/probe_warmup.py --modes on off --rounds 2
+Run:  python export/probes/probe_warmup.py --modes on off --rounds 2 [--batch-size 4]
 """
 
 import argparse
@@ -32,15 +32,16 @@ if sys.argv[1] == "off":
 from shram_static.bench import build_model
 model = build_model("bench")
 t = time.perf_counter()
-dec = D.StaticDecoder(model, batch_size=1, prefill_chunk=32, compile=True)
-ids = torch.zeros(1, 32, dtype=torch.long)
+B = int(sys.argv[2])
+dec = D.StaticDecoder(model, batch_size=B, prefill_chunk=32, compile=True)
+ids = torch.zeros(B, 32, dtype=torch.long)
 dec.prefill(ids, last_only=True)
 t_prefill = time.perf_counter() - t
 dec.decode(ids[:, 0])
 total = time.perf_counter() - t
 for r in runs:
     print(f"  g++ at {r[0]:6.2f} s: {r[1]:5.2f} s  {r[2]:<24} {r[3]}")
-print(f"{sys.argv[1]}: {len(runs)} g++ runs, {sum(r[1] for r in runs):.1f} s; prefill compiled "
+print(f"{sys.argv[1]} (batch {B}): {len(runs)} g++ runs, {sum(r[1] for r in runs):.1f} s; prefill compiled "
       f"after {t_prefill:.1f} s, warm-up {total:.1f} s", flush=True)
 """
 
@@ -49,12 +50,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--modes", nargs="+", default=["on", "off"], choices=["on", "off"])
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--batch-size", type=int, default=1)
     a = ap.parse_args()
     for _ in range(a.rounds):
         for mode in a.modes:
             with tempfile.TemporaryDirectory(prefix="probe_warmup_") as cache:
                 env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-                subprocess.run([sys.executable, "-c", CHILD, mode], env=env, check=True)
+                subprocess.run([sys.executable, "-c", CHILD, mode, str(a.batch_size)], env=env, check=True)
 
 
 if __name__ == "__main__":
