@@ -162,16 +162,14 @@ class StaticDecoder(HostDecoder):
         if not self.compiled:
             return fn(*args)
         if not self.skip_guards:
-            with batched_builds():  # a call that may compile: see kernel_builds.py
-                return fn(*args)
+            return _may_compile(fn, args)
         key = "decode" if decode else "prefill"
         if key not in self._tensors:  # walking the module tree per call would cost ~0.6 ms
             mod = self.decode_module if decode else self.module
             self._tensors[key] = [*mod.parameters(), *mod.buffers()]
         ptrs = [t.data_ptr() for t in self._tensors[key]]  # ~0.02 ms
         if self._checked.get(key) != ptrs:  # first call, or a tensor was replaced: check guards
-            with batched_builds():
-                out = fn(*args)
+            out = _may_compile(fn, args)
             self._checked[key] = ptrs
             return out
         with _guards_skipped():
@@ -183,10 +181,16 @@ class StaticDecoder(HostDecoder):
                 # so nothing changed, and a call with the guards checked compiles the step again.
                 if "skip_guard_eval_unsafe" not in str(e):
                     raise
-        with batched_builds():
-            out = fn(*args)
+        out = _may_compile(fn, args)
         self._checked[key] = ptrs
         return out
+
+
+def _may_compile(fn, args):
+    """A call of a compiled step with its guards checked, which compiles on a miss: Inductor's
+    C++ kernels are then built a few files at a time (kernel_builds.py)."""
+    with batched_builds():
+        return fn(*args)
 
 
 def _guards_skipped():
