@@ -67,12 +67,14 @@ def _cpp_pybinding(self, argtypes, source_code):
     kernel_code_log.info("CPP+Bindings Kernel:\n%s", source_code)  # as Inductor logs it
     batch = self.__dict__.get("_shram_batch")
     if batch is None or batch.started:  # one batch per wrapper module (its AsyncCompile)
-        batch = self.__dict__["_shram_batch"] = _Batch(type(self).submit, get_compile_threads())
-    return batch.add(self, list(argtypes), source_code)
+        batch = self.__dict__["_shram_batch"] = _Batch(self)
+    return batch.add(list(argtypes), source_code)
 
 
 @functools.cache
 def _future_type():
+    # WHY made on first use: the package imports this module, and importing Inductor's
+    # codecache at that point would add its import time to every command.
     from torch._inductor.codecache import CodeCacheFuture
 
     class KernelFuture(CodeCacheFuture):
@@ -90,15 +92,19 @@ def _future_type():
 class _Batch:
     """The kernels of one wrapper module, built together on first use."""
 
-    def __init__(self, submit, files: int):
-        self.submit, self.files = submit, files
-        self.items: list[tuple] = []  # (AsyncCompile, argtypes, source)
+    def __init__(self, owner):
+        self.owner = owner  # the module's AsyncCompile
+        self.items: list[tuple] = []  # (argtypes, source)
         self.kernels: list | None = None
         self.started = False
 
-    def add(self, owner, argtypes: list, source: str):
-        self.items.append((owner, argtypes, source))
+    def add(self, argtypes: list, source: str):
+        self.items.append((argtypes, source))
         return _future_type()(self, len(self.items) - 1)
+
+    def _inductors(self, i: int):
+        """Kernel i built the way Inductor builds it (a future)."""
+        return _original(self.owner, *self.items[i])
 
     def kernel(self, index: int):
         if self.kernels is None:
@@ -107,17 +113,18 @@ class _Batch:
         return self.kernels[index]
 
     def _build(self) -> list:
+        from torch._inductor.async_compile import get_compile_threads
         from torch._inductor.codecache import CppPythonBindingsCodeCache
-        groups = split_by_size([len(s) for _, _, s in self.items], self.files)
+        groups = split_by_size([len(s) for _, s in self.items], get_compile_threads())
         pending = []  # (group, module getter or None)
         for group in groups:
-            source = combined_source([self.items[i][1] for i in group], [self.items[i][2] for i in group])
+            source = combined_source([self.items[i][0] for i in group], [self.items[i][1] for i in group])
             get = None
             if source is not None and len(group) > 1:
-                get = CppPythonBindingsCodeCache.load_async(source, "cpu", submit_fn=self.submit)
+                get = CppPythonBindingsCodeCache.load_async(source, "cpu", submit_fn=type(self.owner).submit)
             pending.append((group, get))
         # A kernel alone in its group is Inductor's build, submitted now beside the files.
-        alone = {i: _original(*self.items[i]) for group, get in pending if get is None for i in group}
+        alone = {i: self._inductors(i) for group, get in pending if get is None for i in group}
         kernels: list = [None] * len(self.items)
         for group, get in pending:
             if get is None:
@@ -129,7 +136,7 @@ class _Batch:
             except Exception as e:  # noqa: BLE001 (each kernel is then built as Inductor builds it)
                 log.info("building %d kernels as one file failed (%s); building them one by one",
                          len(group), str(e).splitlines()[0] if str(e) else type(e).__name__)
-                alone.update({i: _original(*self.items[i]) for i in group})
+                alone.update({i: self._inductors(i) for i in group})
         for i, f in alone.items():
             kernels[i] = f.result()
         return kernels
