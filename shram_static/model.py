@@ -145,6 +145,9 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
         from .checkpoint import save_pretrained
         save_pretrained(self, path)
 
+    # WHY: PreTrainedModel precedes the mixin in the bases and defines its own.
+    get_compiled_call = ShramGenerationMixin.get_compiled_call
+
     # -- forward: uncached over whole sequences, or cached on a ShramCache --------------
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 output_routing: bool = False, cache: ShramCache | None = None,

@@ -6,12 +6,15 @@ References are independent of the cached path: the golden greedy tokens of the o
 verified uncached forward over the whole sequence at every step.
 """
 
+import unittest.mock
+
 import pytest
 import torch
 from helpers import GOLDEN_CASES, golden_case, random_ids, random_model
+from torch._inductor.async_compile import get_compile_threads
 from transformers import DynamicCache
 
-from shram_static import CapacityError, ShramCache, StaticDecoder
+from shram_static import CapacityError, ShramCache, StaticDecoder, kernel_builds
 
 
 def _new(out, P):
@@ -293,13 +296,20 @@ def compiled():
     ids = random_ids(model.config, 2, 6, seed=15)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
-    model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)  # compiles
-    yield model, ids, mask
+    batches = []
+    build = kernel_builds._Batch._build
+
+    def record(batch):
+        batches.append(build(batch))
+        return batches[-1]
+    with unittest.mock.patch.object(kernel_builds._Batch, "_build", record):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)  # compiles
+    yield model, ids, mask, batches
     torch.compiler.set_stance("default")
 
 
 def test_compiled_generate_never_recompiles_and_matches_eager(compiled):
-    model, ids, mask = compiled
+    model, ids, mask, _ = compiled
     eager = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, disable_compile=True)
     eager_nomask = model.generate(ids, max_new_tokens=8, do_sample=False, disable_compile=True)
     torch.compiler.set_stance("fail_on_recompile")
@@ -316,8 +326,22 @@ def test_compiled_generate_never_recompiles_and_matches_eager(compiled):
     assert model._compiled_call is not None  # the decode forward really ran compiled
 
 
+def test_compiled_generate_builds_its_kernels_a_few_files_at_a_time(compiled):
+    """generate()'s compiled forward builds its graph's C++ kernels as at most compile_threads
+    files (kernel_builds.py): one g++ run per kernel made a cold first call ~20 s slower."""
+    model, _, _, batches = compiled
+    assert model.get_compiled_call(model.generation_config.compile_config) is \
+        model.get_compiled_call(model.generation_config.compile_config)  # one wrapper, kept
+    if get_compile_threads() > 1:
+        assert len(batches) == 1  # one graph, its kernels built together
+        for kernels in batches:
+            assert len({id(k.__self__) for k in kernels}) <= get_compile_threads() < len(kernels)
+    else:  # one compile thread: Inductor's own builds
+        assert batches == []
+
+
 def test_compiled_sampling_equals_eager_sampling(compiled):
-    model, ids, mask = compiled
+    model, ids, mask, _ = compiled
     kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=5, temperature=0.9)
     torch.manual_seed(5)
     eager = model.generate(ids, disable_compile=True, **kw)
