@@ -9,9 +9,11 @@ import tempfile
 import time
 
 import pytest
+import torch
 
 from helpers import TINY_CONFIG, randomize_
 from shram_static import ShramConfig, ShramForCausalLM
+from shram_static import bench as bench_mod
 from shram_static.bench import add_ratios, contexts, measure_interleaved
 
 
@@ -46,6 +48,45 @@ class _Fake:
     def measure(self, ctx):
         self.log.append((self.name, ctx))
         return dict(prefill_s=ctx / 100, decode_s=self.times.pop(0))
+
+
+class _TimedDecoder:
+    """A decoder whose prefill takes the given seconds, call by call; logs every call."""
+
+    def __init__(self, prefill_s):
+        self.prefill_s, self.log = list(prefill_s), []
+
+    def reset(self):
+        self.log.append("reset")
+
+    def prefill(self, ids, last_only):
+        self.log.append(("prefill", ids.shape[1]))
+        time.sleep(self.prefill_s.pop(0))
+
+    def decode(self, ids):
+        self.log.append("decode")
+
+
+def _runner(prefill_s, steps=2):
+    r = object.__new__(bench_mod.Runner)  # only what measure() reads: no model, no runtime
+    r.dec, r.steps, r.ids = _TimedDecoder(prefill_s), steps, torch.zeros(1, 100, dtype=torch.long)
+    return r
+
+
+def test_a_short_prompt_is_prefilled_several_times_and_timed_as_the_median(monkeypatch):
+    monkeypatch.setattr(bench_mod, "PREFILL_REPEAT_S", 0.5)
+    r = _runner([0.2, 0.01, 0.01, 0.01, 0.01, 9])  # a slow first run, then fast ones
+    m = r.measure(10)
+    assert r.dec.log == ["reset", ("prefill", 10)] * 5 + ["decode"] * 2  # PREFILL_RUNS, decode after the last
+    assert 0.01 <= m["prefill_s"] < 0.1 and len(m["decode_s"]) == 2
+
+
+def test_a_long_prompt_is_prefilled_until_the_time_is_spent(monkeypatch):
+    monkeypatch.setattr(bench_mod, "PREFILL_REPEAT_S", 0.05)
+    r = _runner([0.03, 0.03, 9])
+    m = r.measure(10)
+    assert r.dec.log == ["reset", ("prefill", 10)] * 2 + ["decode"] * 2
+    assert 0.03 <= m["prefill_s"] < 0.1
 
 
 def test_measurements_interleave_backends_round_by_round():
