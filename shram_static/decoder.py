@@ -9,7 +9,7 @@ from torch import nn
 
 from .cpu_isa import start_isa_checks
 from .host import HostDecoder
-from .kernel_builds import batched_builds
+from .kernel_builds import run_batched
 from .state import StaticState
 from .step import StepModule
 
@@ -162,14 +162,14 @@ class StaticDecoder(HostDecoder):
         if not self.compiled:
             return fn(*args)
         if not self.skip_guards:
-            return _may_compile(fn, args)
+            return run_batched(fn, *args)
         key = "decode" if decode else "prefill"
         if key not in self._tensors:  # walking the module tree per call would cost ~0.6 ms
             mod = self.decode_module if decode else self.module
             self._tensors[key] = [*mod.parameters(), *mod.buffers()]
         ptrs = [t.data_ptr() for t in self._tensors[key]]  # ~0.02 ms
         if self._checked.get(key) != ptrs:  # first call, or a tensor was replaced: check guards
-            out = _may_compile(fn, args)
+            out = run_batched(fn, *args)
             self._checked[key] = ptrs
             return out
         with _guards_skipped():
@@ -181,16 +181,10 @@ class StaticDecoder(HostDecoder):
                 # so nothing changed, and a call with the guards checked compiles the step again.
                 if "skip_guard_eval_unsafe" not in str(e):
                     raise
-        out = _may_compile(fn, args)
+        out = run_batched(fn, *args)
         self._checked[key] = ptrs
         return out
 
-
-def _may_compile(fn, args):
-    """A call of a compiled step with its guards checked, which compiles on a miss: Inductor's
-    C++ kernels are then built a few files at a time (kernel_builds.py)."""
-    with batched_builds():
-        return fn(*args)
 
 
 def _guards_skipped():

@@ -21,7 +21,7 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from .cache import DEFAULT_PREFILL_CHUNK, ShramCache
 from .cpu_isa import start_isa_checks
-from .kernel_builds import batched_builds
+from .kernel_builds import run_batched
 
 
 def default_compile_config() -> CompileConfig:
@@ -33,16 +33,6 @@ def default_compile_config() -> CompileConfig:
     """
     # mode "default": transformers' default "reduce-overhead" means CUDA graphs.
     return CompileConfig(fullgraph=True, dynamic=False, mode="default")
-
-
-def _batched(compiled):
-    """`compiled` called inside `batched_builds()`: a call that compiles builds each graph's C++
-    kernels a few files at a time; any other call only enters and leaves the context."""
-    @functools.wraps(compiled)
-    def call(*args, **kwargs):
-        with batched_builds():
-            return compiled(*args, **kwargs)
-    return call
 
 
 def _new_token_mask(attention_mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
@@ -103,8 +93,8 @@ class ShramGenerationMixin(GenerationMixin):
         if self.device.type == "cpu":
             start_isa_checks()
         held = self.__dict__.get("_batched_call")  # one wrapper per compiled function
-        if held is None or held.__wrapped__ is not compiled:
-            held = self.__dict__["_batched_call"] = _batched(compiled)
+        if held is None or held.args[0] is not compiled:
+            held = self.__dict__["_batched_call"] = functools.partial(run_batched, compiled)
         return held
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None,

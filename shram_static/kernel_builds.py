@@ -48,6 +48,13 @@ def batched_builds():
         _local.depth -= 1
 
 
+def run_batched(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` inside `batched_builds()`: for a call of a compiled function that
+    may compile (a first call, or one with its guards checked)."""
+    with batched_builds():
+        return fn(*args, **kwargs)
+
+
 def _install() -> None:
     global _original
     with _lock:
