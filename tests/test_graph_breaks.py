@@ -159,10 +159,11 @@ def check_guard_skipping(comp, eager, tok):
 
 
 def export_step(model, n):
+    """(decoder, its step exported with strict=True, that program decomposed to core ATen)."""
     dec = StaticDecoder(model, batch_size=B, prefill_chunk=C)
     with torch.no_grad():
         ep = torch.export.export(dec.module, inputs(model.config, n, 0, start=5), strict=True)
-    return dec, ep
+    return dec, ep, ep.run_decompositions({})  # decomposed once: two tests read it
 
 
 @pytest.fixture(scope="module", params=[1, C], ids=["decode", "prefill"])
@@ -171,13 +172,12 @@ def exported(request, model):
 
 
 def test_step_exports_with_strict_true(exported):
-    _, ep = exported
+    _, ep, _ = exported
     assert any(n.target == torch.ops.aten.topk.default for n in ep.graph.nodes)
 
 
 def test_exported_step_has_no_data_dependent_ops(exported):
-    _, ep = exported
-    graph = ep.run_decompositions({}).graph
+    graph = exported[2].graph
     found = set()
     for node in graph.nodes:
         if node.op != "call_function":
@@ -195,8 +195,8 @@ def test_exported_step_has_no_data_dependent_ops(exported):
 
 
 def test_exported_step_updates_every_state_buffer_in_place(exported):
-    dec, ep = exported
-    mutated = set(ep.run_decompositions({}).graph_signature.buffers_to_mutate.values())
+    dec, _, decomposed = exported
+    mutated = set(decomposed.graph_signature.buffers_to_mutate.values())
     state = {"state." + n for n in dec.state.names()}
     assert state <= mutated, f"state buffers not updated in place: {sorted(state - mutated)}"
     # And nothing but state is written (weights and rope tables are read-only).
@@ -204,7 +204,7 @@ def test_exported_step_updates_every_state_buffer_in_place(exported):
 
 
 def test_exported_step_matches_eager(exported, model):
-    dec, ep = exported
+    dec, ep, _ = exported
     args = inputs(model.config, ep.example_inputs[0][0].shape[1], 7)
     eager = StaticDecoder(model, batch_size=B, prefill_chunk=C)
     with torch.no_grad():
