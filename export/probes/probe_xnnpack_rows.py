@@ -44,7 +44,7 @@ def main(rounds: int) -> None:
         with torch.no_grad():
             ep = torch.export.export(Projections(form).eval(), (torch.randn(M, D),))
             buf = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]).to_executorch().buffer
-        buffers.append(buf)  # the loaded program reads this memory (freeing it crashes the runtime)
+        buffers.append(buf)  # the program reads this memory, unowned: freed, it crashes (executorch#10725)
         methods[(form, M)] = (rt.load_program(buf).load_method("forward"), torch.randn(M, D))
     res = {k: [] for k in methods}
     for _ in range(rounds):
