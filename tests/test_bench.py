@@ -193,12 +193,13 @@ def test_bench_command_writes_json_and_plot(tmp_path, capsys):
     from shram_static.cli import main
 
     ckpt = tmp_path / "ckpt"
-    # one layer, capacity 128: the command's plumbing, not the model, is under test
+    # one layer, capacity 128, one round: the command's plumbing, not the model, is under test
+    # (rounds interleave in test_measurements_interleave_backends_round_by_round)
     cfg = ShramConfig(**dict(TINY_CONFIG, num_decoder_layers=1, training_sequence_length=128))
     randomize_(ShramForCausalLM(cfg), 0).save_pretrained(ckpt)
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     code = main(["bench", "--models", str(ckpt), "--backends", "eager", "--batch-sizes", "1", "2",
-                 "--steps", "2", "--rounds", "2", "--prefill-chunk", "8", "--json", str(out), "--plot", str(png)])
+                 "--steps", "2", "--rounds", "1", "--prefill-chunk", "8", "--json", str(out), "--plot", str(png)])
     p = capsys.readouterr()
     assert code == 0, p.err[-2000:]
     res = json.loads(out.read_text())
