@@ -5,9 +5,11 @@ Imported by several test modules (keep these names): `random_config`, `randomize
 model built by the package.
 """
 
+import contextlib
 import os
 import random
 import sys
+import unittest.mock
 
 import torch
 from safetensors.torch import load_file
@@ -145,3 +147,18 @@ def golden_run(dec, g):
     err = (logits - g["logits_full"])[mask].abs().max().item()
     tokens = dec.generate(ids[:, :P], mask[:, :P], max_new_tokens=g["greedy_tokens"].shape[1])
     return err, tokens
+
+
+@contextlib.contextmanager
+def recorded_builds():
+    """Within the block, the list it yields gets the kernels of each batch of C++ builds
+    (`kernel_builds._Batch._build`'s result) as the batch is built."""
+    from shram_static import kernel_builds
+
+    batches, build = [], kernel_builds._Batch._build
+
+    def record(batch):
+        batches.append(build(batch))
+        return batches[-1]
+    with unittest.mock.patch.object(kernel_builds._Batch, "_build", record):
+        yield batches

@@ -13,8 +13,8 @@ import torch
 from torch._inductor.async_compile import get_compile_threads
 from torch._inductor.graph import GraphLowering
 
-from helpers import random_config, randomize_
-from shram_static import ShramForCausalLM, StaticDecoder, kernel_builds
+from helpers import random_config, randomize_, recorded_builds
+from shram_static import ShramForCausalLM, StaticDecoder
 
 B, C = 2, 4
 
@@ -93,16 +93,10 @@ def test_compiled_steps_never_recompile_and_match_eager(model, B):
     # tracing pytree's flatten (step.py; seconds of a cold compile).
     fingerprint = torch._dynamo.variables.invoke_subgraph
     # Each step's C++ kernels are built a few files at a time (kernel_builds.py).
-    batches = []
-    build = kernel_builds._Batch._build
-
-    def record(batch):
-        batches.append(build(batch))
-        return batches[-1]
     with unittest.mock.patch.object(GraphLowering, "save_output_code", codes.append), \
             unittest.mock.patch.object(fingerprint, "build_fingerprint_with_pytree",
                                        wraps=fingerprint.build_fingerprint_with_pytree) as flattened, \
-            unittest.mock.patch.object(kernel_builds._Batch, "_build", record):
+            recorded_builds() as batches:
         torch.testing.assert_close(comp.prefill(ids[:, :C], mask[:, :C]), eager.prefill(ids[:, :C], mask[:, :C]),
                                    atol=1e-4, rtol=1e-4)
         tok = torch.randint(0, cfg.vocab_size, (B,), generator=gen)

@@ -6,15 +6,13 @@ References are independent of the cached path: the golden greedy tokens of the o
 verified uncached forward over the whole sequence at every step.
 """
 
-import unittest.mock
-
 import pytest
 import torch
-from helpers import GOLDEN_CASES, golden_case, random_ids, random_model
+from helpers import GOLDEN_CASES, golden_case, random_ids, random_model, recorded_builds
 from torch._inductor.async_compile import get_compile_threads
 from transformers import DynamicCache
 
-from shram_static import CapacityError, ShramCache, StaticDecoder, kernel_builds
+from shram_static import CapacityError, ShramCache, StaticDecoder
 
 
 def _new(out, P):
@@ -296,13 +294,7 @@ def compiled():
     ids = random_ids(model.config, 2, 6, seed=15)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
-    batches = []
-    build = kernel_builds._Batch._build
-
-    def record(batch):
-        batches.append(build(batch))
-        return batches[-1]
-    with unittest.mock.patch.object(kernel_builds._Batch, "_build", record):
+    with recorded_builds() as batches:
         model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)  # compiles
     yield model, ids, mask, batches
     torch.compiler.set_stance("default")
