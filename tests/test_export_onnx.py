@@ -2,6 +2,7 @@
 (names, checker, metadata, weights stored once), in-place state binding against two alternating
 state sets, bad artifacts and host validation."""
 
+import collections
 import json
 import os
 import warnings
@@ -87,6 +88,13 @@ def test_graph_contract(builtin):
         inline = [t for t in m.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
         assert all(len(t.raw_data) < 1024 for t in inline), [t.name for t in inline if len(t.raw_data) >= 1024]
         assert sum(len(t.raw_data) for t in inline) < 0.01 * param_bytes
+        # export.onnx_fusions: each RMSNorm (2 per layer and the final one) and each RoPE (q and
+        # k of both paths: main-sequence rows) is one opset-23 node; no max tree is left (L = 8)
+        ops = collections.Counter(n.op_type for n in m.graph.node)
+        n_layers = model.config.num_decoder_layers
+        assert [(o.domain, o.version) for o in m.opset_import] == [("", 23)]
+        assert ops["RMSNormalization"] == 2 * n_layers + 1 and ops["RotaryEmbedding"] == 4 * n_layers, ops
+        assert not {"Neg", "Sqrt", "Reciprocal", "Max"} & set(ops), ops
         consts = [a.t for n in m.graph.node if n.op_type == "Constant" for a in n.attribute if a.type == a.TENSOR]
         assert all(len(t.raw_data) < 1024 for t in consts)
         external = {t.name for t in m.graph.initializer} - {t.name for t in inline}

@@ -35,6 +35,7 @@ from ..step import FunctionalStep
 from .decompose import onnx_decomposed
 from .forked import run_jobs
 from .lowering import without_onnx_rewrite_rules
+from .onnx_fusions import OPSET, fuse_onnx_ops
 from .pte import ExportFormatError, check_export_args, export_copy
 
 FORMAT = "shram_static.onnx/1"
@@ -60,17 +61,19 @@ def graph_paths(path) -> dict[str, str]:
 # ----------------------------------------------------------------------------------------
 
 def _export_graph(fn: FunctionalStep, state: StaticState, C: int):
-    """torch.onnx.export (dynamo) of the pure step for chunk length C; returns the ModelProto."""
+    """torch.onnx.export (dynamo, opset 23) of the pure step for chunk length C, its RMSNorms,
+    RoPEs and max trees fused (`onnx_fusions`); returns the ModelProto."""
     B = state.batch_size
     names = state.names()
     args = (torch.zeros(B, C, dtype=torch.long), torch.zeros(B, dtype=torch.long),
             torch.ones(B, C, dtype=torch.bool), *[t.clone() for t in state.tensors()])
     with torch.no_grad(), without_onnx_rewrite_rules(), without_leafspec_notice(), onnx_decomposed(fn, args) as ep:
         prog = torch.onnx.export(
-            ep, args, dynamo=True, optimize=True, verbose=False,
+            ep, args, dynamo=True, optimize=True, verbose=False, opset_version=OPSET,
             input_names=["input_ids", "position_ids", "live", *[f"past.{n}" for n in names]],
             output_names=["logits", *[f"present.{n}" for n in names]],
         )
+    fuse_onnx_ops(prog.model)
     return prog.model_proto
 
 
