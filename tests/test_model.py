@@ -194,10 +194,15 @@ def test_entmax12_matches_reference_package():
     shipped config (the Newton step count grows with L; too few steps would show here)."""
     entmax = pytest.importorskip("entmax")
     gen = torch.Generator().manual_seed(3)
-    for L, scale in ((2, 1.0), (8, 0.1), (16, 1.0), (16, 30.0), (64, 5.0), (256, 0.3), (1024, 0.3)):
+    for L, scale in ((2, 1.0), (8, 0.1), (16, 1.0), (16, 30.0), (64, 5.0), (256, 0.3), (1024, 0.3),
+                     (4096, 3.0)):
         z = torch.randn(200, L, generator=gen) * scale
         z[0] = 0.0  # all tied: uniform
         z[1, 0] = 100.0  # one expert takes everything
+        # logits falling off as powers of the rank: many experts near the threshold, the
+        # slowest case for Newton (3 steps instead of the 4 it needs fail here at L = 4096)
+        a, b = torch.rand(2, 48, 1, generator=gen)
+        z[2:50] = -10 * a * torch.arange(L).float() ** b
         ours = entmax12(z)
         ref = entmax.entmax_bisect(z, alpha=1.2, dim=-1, n_iter=50)
         assert (ours - ref).abs().max() <= 2e-6, (L, scale, (ours - ref).abs().max())
