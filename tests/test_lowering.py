@@ -193,6 +193,7 @@ def onnx_step():
     import onnx_ir as ir
 
     from helpers import tiny_model
+    from shram_static.export.onnx_fusions import OPSET
     from shram_static.export.pte import export_copy
     from shram_static.state import StaticState
     from shram_static.step import FunctionalStep
@@ -203,7 +204,8 @@ def onnx_step():
     args = (torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, dtype=torch.long),
             torch.ones(2, 4, dtype=torch.bool), *[t.clone() for t in state.tensors()])
     with _counting_traces() as traces, torch.no_grad():
-        raw = ir.to_proto(torch.onnx.export(fn, args, dynamo=True, optimize=False, verbose=False).model)
+        raw = ir.to_proto(torch.onnx.export(fn, args, dynamo=True, optimize=False, verbose=False,
+                                            opset_version=OPSET).model)
     return fn, args, raw, traces
 
 
@@ -261,14 +263,16 @@ def test_onnx_export_in_one_trace_gives_the_exporters_graph(onnx_step):
     from torch.onnx._internal.exporter import _decomp, _fx_passes, _registration
 
     from shram_static.export.decompose import onnx_decomposed
+    from shram_static.export.onnx_fusions import OPSET
 
     fn, args, stock, stock_traces = onnx_step
     step = _fx_passes.decompose_with_registry
-    with _counting_traces() as traces, torch.no_grad(), onnx_decomposed(fn, args) as ep:
-        fast = ir.to_proto(torch.onnx.export(ep, args, dynamo=True, optimize=False, verbose=False).model)
+    with _counting_traces() as traces, torch.no_grad(), onnx_decomposed(fn, args, OPSET) as ep:
+        fast = ir.to_proto(torch.onnx.export(ep, args, dynamo=True, optimize=False, verbose=False,
+                                             opset_version=OPSET).model)
         assert traces == [] and stock_traces == ["export", "decompose"]
         # a registry without one of the ops the table keeps whole: the exporter's decomposition
-        registry = _registration.ONNXRegistry.from_torchlib()
+        registry = _registration.ONNXRegistry.from_torchlib(OPSET)
         fewer = _decomp.get_onnx_implemented_overloads(registry)[1:]
         with unittest.mock.patch.object(_decomp, "get_onnx_implemented_overloads", lambda r: fewer):
             _fx_passes.decompose_with_registry(ep, registry)
@@ -286,6 +290,20 @@ def test_onnx_export_in_one_trace_gives_the_exporters_graph(onnx_step):
     assert [i.name for i in fast.graph.input] == [i.name for i in stock.graph.input]
     assert [o.name for o in fast.graph.output] == [o.name for o in stock.graph.output]
     assert all(np.array_equal(a, b) for a, b in zip(weights(fast), weights(stock), strict=True))
+
+
+def test_onnx_export_traces_the_step_once(onnx_step):
+    """`export_onnx`'s graph export (`_export_graph`, at the opset it writes) hands the
+    exporter the one-trace program whole: no `torch.export` or `run_decompositions` of its own.
+    (A decomposition table made for another opset than the export's made the exporter
+    decompose again: 31 s instead of 19 s of a bench-model export.)"""
+    from shram_static.export.onnx import _export_graph
+    from shram_static.state import StaticState
+
+    fn = onnx_step[0]
+    with _counting_traces() as traces:
+        proto = _export_graph(fn, StaticState(fn.model.config, 2, 4), 1)  # the decode graph
+    assert traces == [] and len(proto.graph.node) > 100
 
 
 def test_written_cache_views_rebased_on_the_buffer():

@@ -90,39 +90,43 @@ def export_decomposed(mod: torch.nn.Module, args: tuple, decompositions: dict):
 
 
 @functools.cache
-def _onnx_decompositions() -> tuple[frozenset, dict]:
-    """The ONNX exporter's decomposition table for its default registry (built once: ~1 s),
-    with the op set it was made from."""
+def _onnx_decompositions(opset: int) -> tuple[frozenset, dict]:
+    """The ONNX exporter's decomposition table for its registry at `opset` (built once per
+    opset: ~1 s), with the op set it was made from."""
     from torch.onnx._internal.exporter import _decomp, _registration
 
-    ops = frozenset(_decomp.get_onnx_implemented_overloads(_registration.ONNXRegistry.from_torchlib()))
+    ops = frozenset(_decomp.get_onnx_implemented_overloads(_registration.ONNXRegistry.from_torchlib(opset)))
     return ops, _decomp.create_onnx_friendly_decomposition_table(set(ops))
 
 
 @contextlib.contextmanager
-def onnx_decomposed(mod: torch.nn.Module, args: tuple):
-    """Yields `mod` exported and decomposed as `torch.onnx.export(mod, args, dynamo=True)` would
-    (`export_decomposed` with the exporter's table), for `torch.onnx.export` to take; within the
-    block, the exporter's own decomposition step passes that program through.
+def onnx_decomposed(mod: torch.nn.Module, args: tuple, opset: int):
+    """Yields `mod` exported and decomposed as `torch.onnx.export(mod, args, dynamo=True,
+    opset_version=opset)` would (`export_decomposed` with the exporter's table), for
+    `torch.onnx.export` to take; within the block, the exporter's own decomposition step passes
+    that program through.
 
     WHY: given a module, the exporter runs `torch.export.export` and then `run_decompositions`
     (`_fx_passes.decompose_with_registry`), two traces of the graph (5.0 of the 14.3 s of the
-    built-in model's two-graph export were the second). Should the exporter's registry
-    implement other ops than the default one this table was made from, it decomposes the
-    program itself, as it would have. The capture is the exporter's first strategy's
+    built-in model's two-graph export were the second). The table must be made for the
+    opset the export targets (the registry keeps `aten.rms_norm` whole from opset 23 on).
+    Should the exporter's registry implement other ops than the one this table was made from,
+    it decomposes the program itself, as it would have (a bench-model export at opset 23 with
+    the opset-18 table: 31 s instead of 19 s in `torch.onnx.export`). The capture is the exporter's first strategy's
     (non-strict, `backed_size_oblivious`); the ONNX graphs are checked against the exporter's
     own in tests/test_lowering.py.
 
     Args:
         mod: the module (its inputs static).
         args: example positional inputs.
+        opset: the `opset_version` the `torch.onnx.export` call in the block passes.
 
     Yields:
         The decomposed `ExportedProgram`.
     """
     from torch.onnx._internal.exporter import _decomp, _fx_passes
 
-    ops, table = _onnx_decompositions()
+    ops, table = _onnx_decompositions(opset)
     with torch.fx.experimental._config.patch(backed_size_oblivious=True):
         ep = export_decomposed(mod, args, table)
     decompose = _fx_passes.decompose_with_registry

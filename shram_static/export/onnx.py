@@ -67,7 +67,7 @@ def _export_graph(fn: FunctionalStep, state: StaticState, C: int):
     names = state.names()
     args = (torch.zeros(B, C, dtype=torch.long), torch.zeros(B, dtype=torch.long),
             torch.ones(B, C, dtype=torch.bool), *[t.clone() for t in state.tensors()])
-    with torch.no_grad(), without_onnx_rewrite_rules(), without_leafspec_notice(), onnx_decomposed(fn, args) as ep:
+    with torch.no_grad(), without_onnx_rewrite_rules(), without_leafspec_notice(), onnx_decomposed(fn, args, OPSET) as ep:
         prog = torch.onnx.export(
             ep, args, dynamo=True, optimize=True, verbose=False, opset_version=OPSET,
             input_names=["input_ids", "position_ids", "live", *[f"past.{n}" for n in names]],
