@@ -35,7 +35,6 @@ from ..step import FunctionalStep
 from .decompose import onnx_decomposed
 from .forked import run_jobs
 from .lowering import without_onnx_rewrite_rules
-from .onnx_fusions import OPSET, fuse_onnx_ops
 from .pte import ExportFormatError, check_export_args, export_copy
 
 FORMAT = "shram_static.onnx/1"
@@ -63,6 +62,8 @@ def graph_paths(path) -> dict[str, str]:
 def _export_graph(fn: FunctionalStep, state: StaticState, C: int):
     """torch.onnx.export (dynamo, opset 23) of the pure step for chunk length C, its RMSNorms,
     RoPEs and max trees fused (`onnx_fusions`); returns the ModelProto."""
+    from .onnx_fusions import OPSET, fuse_onnx_ops  # imports onnxscript: only when exporting
+
     B = state.batch_size
     names = state.names()
     args = (torch.zeros(B, C, dtype=torch.long), torch.zeros(B, dtype=torch.long),
