@@ -162,3 +162,15 @@ def recorded_builds():
         return batches[-1]
     with unittest.mock.patch.object(kernel_builds._Batch, "_build", record):
         yield batches
+
+
+@contextlib.contextmanager
+def counting_traces():
+    """Within the block, the list it yields gets "export" for each `torch.export.export` and
+    "decompose" for each `ExportedProgram.run_decompositions`."""
+    traces = []
+    export, decompose = torch.export.export, torch.export.ExportedProgram.run_decompositions
+    with unittest.mock.patch.object(torch.export, "export", lambda *a, **k: traces.append("export") or export(*a, **k)), \
+            unittest.mock.patch.object(torch.export.ExportedProgram, "run_decompositions",
+                                       lambda *a, **k: traces.append("decompose") or decompose(*a, **k)):
+        yield traces

@@ -15,6 +15,8 @@ import unittest.mock
 import pytest
 import torch
 
+from helpers import counting_traces
+
 
 def _graph(*calls) -> torch.fx.GraphModule:
     """A graph of edge-op calls on one placeholder: (op, extra args) per call, never run."""
@@ -203,22 +205,12 @@ def onnx_step():
     fn = FunctionalStep(model, state).eval()
     args = (torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, dtype=torch.long),
             torch.ones(2, 4, dtype=torch.bool), *[t.clone() for t in state.tensors()])
-    with _counting_traces() as traces, torch.no_grad():
+    with counting_traces() as traces, torch.no_grad():
         raw = ir.to_proto(torch.onnx.export(fn, args, dynamo=True, optimize=False, verbose=False,
                                             opset_version=OPSET).model)
     return fn, args, raw, traces
 
 
-@contextlib.contextmanager
-def _counting_traces():
-    """Within the block, the list it yields gets "export" for each `torch.export.export` and
-    "decompose" for each `ExportedProgram.run_decompositions`."""
-    traces = []
-    export, decompose = torch.export.export, torch.export.ExportedProgram.run_decompositions
-    with unittest.mock.patch.object(torch.export, "export", lambda *a, **k: traces.append("export") or export(*a, **k)), \
-            unittest.mock.patch.object(torch.export.ExportedProgram, "run_decompositions",
-                                       lambda *a, **k: traces.append("decompose") or decompose(*a, **k)):
-        yield traces
 
 
 @pytest.mark.heavy
@@ -267,7 +259,7 @@ def test_onnx_export_in_one_trace_gives_the_exporters_graph(onnx_step):
 
     fn, args, stock, stock_traces = onnx_step
     step = _fx_passes.decompose_with_registry
-    with _counting_traces() as traces, torch.no_grad(), onnx_decomposed(fn, args, OPSET) as ep:
+    with counting_traces() as traces, torch.no_grad(), onnx_decomposed(fn, args, OPSET) as ep:
         fast = ir.to_proto(torch.onnx.export(ep, args, dynamo=True, optimize=False, verbose=False,
                                              opset_version=OPSET).model)
         assert traces == [] and stock_traces == ["export", "decompose"]
@@ -290,20 +282,6 @@ def test_onnx_export_in_one_trace_gives_the_exporters_graph(onnx_step):
     assert [i.name for i in fast.graph.input] == [i.name for i in stock.graph.input]
     assert [o.name for o in fast.graph.output] == [o.name for o in stock.graph.output]
     assert all(np.array_equal(a, b) for a, b in zip(weights(fast), weights(stock), strict=True))
-
-
-def test_onnx_export_traces_the_step_once(onnx_step):
-    """`export_onnx`'s graph export (`_export_graph`, at the opset it writes) hands the
-    exporter the one-trace program whole: no `torch.export` or `run_decompositions` of its own.
-    (A decomposition table made for another opset than the export's made the exporter
-    decompose again: 31 s instead of 19 s of a bench-model export.)"""
-    from shram_static.export.onnx import _export_graph
-    from shram_static.state import StaticState
-
-    fn = onnx_step[0]
-    with _counting_traces() as traces:
-        proto = _export_graph(fn, StaticState(fn.model.config, 2, 4), 1)  # the decode graph
-    assert traces == [] and len(proto.graph.node) > 100
 
 
 def test_written_cache_views_rebased_on_the_buffer():

@@ -16,15 +16,17 @@ from shram_static.rope import apply_rope
 
 
 class Forms(torch.nn.Module):
-    """The library's own RMSNorm, RoPE and max forms, as a step writes them."""
+    """The library's own RMSNorm, RoPE (both layouts) and max (over 8 and over 6) forms, as a
+    step writes them."""
 
     def __init__(self, d: int):
         super().__init__()
         self.scale = torch.nn.Parameter(torch.rand(d) + 0.5)
 
-    def forward(self, x, q, cos, sin, z):
+    def forward(self, x, q, cos_l, sin_l, k, cos_s, sin_s, z8, z6):
         norm = self.scale * (x * torch.rsqrt(mean_last(x * x) + 1e-5))  # (B, C, d)
-        return norm, apply_rope(q, cos, sin), max_last(z)
+        return (norm, apply_rope(q, cos_l, sin_l), apply_rope(k, cos_s, sin_s),
+                max_last(z8), max_last(z6))
 
 
 def _export(mod, args) -> ir.Model:
@@ -42,29 +44,26 @@ def _ops(model: ir.Model) -> list[str]:
     return [n.op_type for n in model.graph]
 
 
-@pytest.mark.parametrize("rows, L", [("per_position", 8), ("per_expert", 6)])
-def test_forms_fuse_and_keep_their_values(rows, L):
+def test_forms_fuse_and_keep_their_values():
     torch.manual_seed(0)
     B, A, S, u, d = 2, 3, 5, 8, 12
-    x = torch.randn(B, S, d)
-    if rows == "per_position":  # local path: q (B, H, S, u), rows (B, 1, S, u)
-        q, shape = torch.randn(B, A, S, u), (B, 1, S, u)
-    else:  # sparse path: q (B, C, K, u), rows (B, C, 1, u)
-        q, shape = torch.randn(B, A, S, u), (B, A, 1, u)
-    ang = torch.rand(*shape[:-1], u // 2) * 6
-    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
-    z = torch.randn(B, S, L)
-    args = (x, q, cos, sin, z)
+
+    def rows(*lead):  # cos, sin rows (..., u), both halves the same angles
+        ang = torch.rand(*lead, u // 2) * 6
+        return torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+
+    # q (B, H, S, u) with rows per position (local path: (B, 1, S, u)); k (B, C, K, u) with rows
+    # per (row, token) (sparse path: (B, C, 1, u))
+    args = (torch.randn(B, S, d), torch.randn(B, A, S, u), *rows(B, 1, S), torch.randn(B, A, S, u),
+            *rows(B, A, 1), torch.randn(B, S, 8), torch.randn(B, S, 6))
     mod = Forms(d).eval()
     model = _export(mod, args)
     counts = fuse_onnx_ops(model)
-    assert counts["RMSNormalization"] == 1 and counts["RotaryEmbedding"] == 1, counts
+    # max over 8: a tree of halves, one ReduceMax; over 6: 6 -> 3 -> (halves of 2, cat with the
+    # odd one) -> 2 -> 1, where only the last level (halves of a width-2 tensor) fuses
+    assert counts == {"RMSNormalization": 1, "RotaryEmbedding": 2, "ReduceMax": 2}, counts
     ops = _ops(model)
-    assert not {"Neg", "Sqrt", "Reciprocal"} & set(ops), ops
-    if L == 8:  # a tree of halves over 2**3: one ReduceMax
-        assert counts["ReduceMax"] == 1 and not {"Max", "Concat"} & set(ops), ops
-    else:  # 6 -> 3 -> (halves of 2, then cat with the odd one): only the width-2 level fuses
-        assert "Max" in ops and "Concat" in ops
+    assert not {"Neg", "Sqrt", "Reciprocal"} & set(ops) and ops.count("Max") == 2, ops
     with torch.no_grad():
         want = [t.numpy() for t in mod(*args)]
     for got, ref in zip(_run(model, args), want, strict=True):
