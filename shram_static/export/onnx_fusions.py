@@ -16,7 +16,7 @@ rows that differ per head, odd widths) keeps its plain nodes, which compute the 
 """
 
 import onnx_ir as ir
-from onnxscript.rewriter import RewritePass, _ir_utils, pattern
+from onnxscript.rewriter import RewritePass, pattern
 
 OPSET = 23  # RMSNormalization and RotaryEmbedding are ONNX ops from opset 23
 
@@ -32,6 +32,14 @@ def _ints(v) -> list[int] | None:
     """The integer constant an ir.Value holds, flattened, or None."""
     c = v.const_value if v is not None else None
     return None if c is None else [int(a) for a in c.numpy().reshape(-1)]
+
+
+def _float(v) -> float | None:
+    """The float a one-element constant ir.Value holds, or None."""
+    c = v.const_value if v is not None else None
+    if c is None or c.numpy().size != 1 or c.numpy().dtype.kind != "f":
+        return None
+    return float(c.numpy().reshape(-1)[0])
 
 
 def _last_axis(axes, rank: int) -> bool:
@@ -73,12 +81,12 @@ class RMSNormFusion(pattern.RewriteRuleClassBase):
             return r.fail("not a mean over x's last axis with a per-channel scale")
         if x.dtype != ir.DataType.FLOAT or scale.dtype != ir.DataType.FLOAT:
             return r.fail("not fp32")
-        if not isinstance(_ir_utils.get_singleton_value(eps), float):
+        if _float(eps) is None:
             return r.fail("epsilon is not a float constant")
         return r
 
     def rewrite(self, op, x, eps, scale, **_):
-        return op.RMSNormalization(x, scale, axis=-1, epsilon=_ir_utils.get_singleton_value(eps),
+        return op.RMSNormalization(x, scale, axis=-1, epsilon=_float(eps),
                                    stash_type=int(ir.DataType.FLOAT))
 
 
