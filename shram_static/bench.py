@@ -308,8 +308,9 @@ class Worker:
 def measure_interleaved(workers: list, rounds: int, bandwidth=None, progress=None) -> tuple[list[dict], list[float]]:
     """Measures every worker at each of its contexts, `rounds` times, interleaved.
 
-    For each context index, each round runs every worker once in turn, so the backends compared
-    at a context are measured minutes apart at most, on a machine whose speed drifts (the
+    For each context index, each round runs every worker once in turn (in the given order in
+    even rounds, reversed in odd ones), so the backends compared at a context are measured
+    minutes apart at most, on a machine whose speed drifts (the
     readings of one backend run minutes apart varied by 40% here). Each worker's decode time at
     a context is the median of all its timed steps over the rounds; prefill, the median prefill.
     `decode_ms_best` is the lowest of the rounds' own medians: on a machine shared with other
@@ -336,7 +337,10 @@ def measure_interleaved(workers: list, rounds: int, bandwidth=None, progress=Non
         for r in range(rounds):
             if bandwidth is not None:
                 readings.append(bandwidth())
-            for w, g in zip(workers, got):
+            # forward in even rounds, backward in odd ones: no backend always runs right after
+            # the bandwidth reading or right after the same neighbour
+            turns = list(zip(workers, got))
+            for w, g in (turns if r % 2 == 0 else turns[::-1]):
                 if i < len(w.contexts):
                     m = w.measure(w.contexts[i])
                     g["prefill"].append(m["prefill_s"])

@@ -90,14 +90,14 @@ def test_a_long_prompt_is_prefilled_until_the_time_is_spent(monkeypatch):
 
 
 def test_measurements_interleave_backends_round_by_round():
-    """At each context every backend runs once per round, in turn; the decode figure is the
-    median over all rounds' steps, prefill the median prefill; the best round is the lowest of
-    the rounds' own medians."""
+    """At each context every backend runs once per round, in turn, the order reversed every
+    other round; the decode figure is the median over all rounds' steps, prefill the median
+    prefill; the best round is the lowest of the rounds' own medians."""
     log, reads = [], []
     a = _Fake("a", [64, 128], 1, log, [[0.010, 0.012], [0.011, 0.013], [0.020], [0.030], [0.040], [0.050]])
     b = _Fake("b", [64], 4, log, [[0.001], [0.002], [0.003], [0.004], [0.005]])
     points, readings = measure_interleaved([a, b], rounds=2, bandwidth=lambda: reads.append(1) or 5e9)
-    assert log == [("a", 64), ("b", 64), ("a", 64), ("b", 64), ("a", 128), ("a", 128)]
+    assert log == [("a", 64), ("b", 64), ("b", 64), ("a", 64), ("a", 128), ("a", 128)]
     assert readings == [5e9] * 4 and len(reads) == 4  # one reading per round of each context
     assert [p["context"] for p in points[0]] == [64, 128] and [p["context"] for p in points[1]] == [64]
     assert points[0][0]["decode_ms"] == 12.0  # median of 10, 12, 11, 13 ms (upper middle)
