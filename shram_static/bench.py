@@ -310,8 +310,8 @@ def measure_interleaved(workers: list, rounds: int, bandwidth=None, progress=Non
 
     For each context index, each round runs every worker once in turn (in the given order in
     even rounds, reversed in odd ones), so the backends compared at a context are measured
-    minutes apart at most, on a machine whose speed drifts (the
-    readings of one backend run minutes apart varied by 40% here). Each worker's decode time at
+    minutes apart at most, on a machine whose speed drifts (the readings of one backend run
+    minutes apart varied by 40% here). Each worker's decode time at
     a context is the median of all its timed steps over the rounds; prefill, the median prefill.
     `decode_ms_best` is the lowest of the rounds' own medians: on a machine shared with other
     work, noise only adds time, and a step of hundreds of small parallel operators (a `.pte`)
