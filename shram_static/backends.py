@@ -17,8 +17,9 @@ _QUANTIZE = {"pte": None, "pte-int8": "int8", "pte-8da4w": "8da4w"}
 
 
 def make_decoder(model, backend: str, prefill_chunk: int, stack: contextlib.ExitStack,
-                 eos_token_id: int | None = None, bos_token_id: int | None = None):
-    """A batch-1 decoder of `model` on `backend`.
+                 eos_token_id: int | None = None, bos_token_id: int | None = None,
+                 batch_size: int = 1, verify_len: int | None = None):
+    """A decoder of `model` on `backend` (batch 1 unless `batch_size` says otherwise).
 
     Args:
         model: a `ShramForCausalLM` (not modified).
@@ -26,6 +27,9 @@ def make_decoder(model, backend: str, prefill_chunk: int, stack: contextlib.Exit
         prefill_chunk: tokens per prefill step.
         stack: owns the temporary directory of an export backend.
         eos_token_id, bos_token_id: stored in an exported program (and used by `generate`).
+        batch_size: rows per step (`shram-static serve` runs one request per row).
+        verify_len: tokens of the verify step (speculative decoding), written into an exported
+            artifact; None: none in an export, the default (5) for eager and compiled.
 
     Returns:
         A `HostDecoder` (`prefill`, `decode`, `reset`, `generate`).
@@ -37,8 +41,9 @@ def make_decoder(model, backend: str, prefill_chunk: int, stack: contextlib.Exit
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend in ("eager", "compiled"):
         from .decoder import StaticDecoder
-        return StaticDecoder(model, batch_size=1, prefill_chunk=prefill_chunk,
-                             compile=backend == "compiled", eos_token_id=eos_token_id)
+        return StaticDecoder(model, batch_size=batch_size, prefill_chunk=prefill_chunk,
+                             compile=backend == "compiled", eos_token_id=eos_token_id,
+                             **({"verify_len": verify_len} if verify_len else {}))
     try:
         from .export import export_onnx, export_pte, load_onnx, load_pte
     except ImportError as e:
@@ -48,15 +53,16 @@ def make_decoder(model, backend: str, prefill_chunk: int, stack: contextlib.Exit
     if backend == "onnx":
         path = os.path.join(tmp, "model.onnx")
         info(f"exporting to ONNX ({path}) ...")
-        export_onnx(model, path, batch_size=1, prefill_chunk=prefill_chunk, eos_token_id=eos_token_id)
+        export_onnx(model, path, batch_size=batch_size, prefill_chunk=prefill_chunk, eos_token_id=eos_token_id,
+                    verify_len=verify_len)
         dec = load_onnx(path)
     else:
         path = os.path.join(tmp, "model.pte")
         quantize = _QUANTIZE[backend]
         info(f"exporting to ExecuTorch{f' ({quantize})' if quantize else ''} ({path}); lowering takes "
               f"a minute or more ...")
-        export_pte(model, path, batch_size=1, prefill_chunk=prefill_chunk, quantize=quantize,
-                   eos_token_id=eos_token_id, bos_token_id=bos_token_id)
+        export_pte(model, path, batch_size=batch_size, prefill_chunk=prefill_chunk, quantize=quantize,
+                   eos_token_id=eos_token_id, bos_token_id=bos_token_id, verify_len=verify_len)
         dec = load_pte(path)
     info(f"exported and loaded in {time.perf_counter() - t0:.1f} s")
     return dec

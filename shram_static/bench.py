@@ -1,11 +1,11 @@
 """Throughput benchmark: `shram-static bench` (or `python -m shram_static.bench`).
 
-For each model (the issue's bench config, the built-in model, or a checkpoint), backend
+For each model (the bench config, the built-in model, or a checkpoint), backend
 (eager, compiled, pte, pte-int8, onnx) and batch size it reports decode ms/step over a range of
 contexts (64 up to near capacity), prefill tokens/s, export or compile warm-up time, artifact
 size and peak RSS, and each decode time as a ratio to compiled torch and to the machine's floor:
 the bytes a decode step must read divided by the memory read bandwidth measured in the same run
-(this machine's bandwidth reading swings by 2x between runs, so only same-run ratios compare).
+(a shared machine's bandwidth reading swings by 2x between runs, so only same-run ratios compare).
 
 Every backend runs in a subprocess of its own, so its peak RSS and compile caches are its own;
 an exported backend is exported in one subprocess and run from the file in another, so its peak
@@ -19,7 +19,6 @@ All the runtimes of one run are held in memory at once (idle ones wait on their 
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -29,15 +28,15 @@ import time
 import torch
 
 from .console import info
+from .readings import cpu_times, decode_read_bytes, measure_bandwidth, peak_rss_mib, steal_fraction
 
 BENCH_CONFIG = dict(vocab_size=50277, embedding_width=512, mlp_width=1366, num_decoder_layers=12,
                     num_sliding_window_heads=16, num_mosrah_heads=16, num_selected_heads=4,
                     head_dim=16, window_size=128, training_sequence_length=1024,
                     inference_sequence_length=2048)
 # A prompt is prefilled again (after a reset) while its runs so far took under PREFILL_REPEAT_S
-# seconds, PREFILL_RUNS at most, and timed as their median: one run of a 64-token prompt (two
-# chunks, ~0.2 s) swung 2x between rounds, as a .pte's 0.55x compiled in one run where
-# repeated runs gave 1.1-1.4x.
+# seconds, PREFILL_RUNS at most, and timed as their median: a single run of a short prompt
+# swings 2x between rounds, far more than the backends differ.
 PREFILL_REPEAT_S, PREFILL_RUNS = 1.0, 5
 BACKENDS = ("eager", "compiled", "pte", "pte-int8", "pte-8da4w", "onnx")
 EXPORTED = {"pte": ("pte", None), "pte-int8": ("pte", "int8"), "pte-8da4w": ("pte", "8da4w"), "onnx": ("onnx", None)}
@@ -57,76 +56,6 @@ def build_model(name: str):
     if os.path.isdir(name):
         return ShramForCausalLM.from_pretrained(name)
     raise ValueError(f"unknown model {name!r}: use 'bench', 'builtin' or a checkpoint directory")
-
-
-def measure_bandwidth(x: torch.Tensor | None = None, reps: int = 5) -> float:
-    """Best-of-`reps` read bandwidth in bytes/s of `torch.sum` over `x` (default: a new 1 GiB
-    fp32 buffer, larger than any cache)."""
-    x = torch.ones(2**28) if x is None else x
-    x.sum()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * x.element_size() / best
-
-
-def decode_read_bytes(model, batch_size: int, prefill_chunk: int) -> int:
-    """Bytes one fp32 decode step must read: every weight but the embedding table (one row per
-    row of the batch), the K selected experts' weights only, plus the cache rows attended."""
-    cfg = model.config
-    es = next(model.parameters()).element_size()
-    n = sum(p.numel() for name, p in model.named_parameters() if name != "embed_tokens.weight")
-    if model.lm_head is None:
-        n += model.embed_tokens.weight.numel()  # tied: the lm_head reads the whole table
-    bea = sum(p.numel() for name, p in model.named_parameters() if ".bea." in name)
-    n -= bea - bea * cfg.num_selected_heads // cfg.num_mosrah_heads  # K of L experts
-    n += batch_size * cfg.embedding_width
-    ring = cfg.window_size + prefill_chunk - 1
-    cache = 2 * batch_size * cfg.head_dim * (cfg.num_sliding_window_heads * ring
-                                             + cfg.num_selected_heads * (cfg.mosrah_cache_length + 1))
-    return (n + cfg.num_decoder_layers * cache) * es
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident memory in MiB.
-
-    VmHWM from /proc where there is one: `ru_maxrss` of a process started by fork + exec reports
-    its parent's peak too (Linux keeps it across exec), so every worker of one run read the same
-    ~1.4 GiB (the parent's 1 GiB bandwidth buffer).
-    """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-
-
-def cpu_times(path: str = "/proc/stat") -> tuple[int, int] | None:
-    """(steal, total) CPU time of the whole machine in clock ticks from the `cpu` line of
-    /proc/stat (Linux; None elsewhere or if unreadable). Steal is time the hypervisor ran
-    something else while this VM had work: a step of hundreds of fork-join operators (a `.pte`)
-    loses far more to it than a few large kernels (export/probes/README.md, section 20)."""
-    try:
-        with open(path) as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    if len(fields) < 9 or fields[0] != "cpu":
-        return None
-    ticks = [int(x) for x in fields[1:]]
-    return ticks[7], sum(ticks[:8])  # user nice system idle iowait irq softirq steal (guest in user)
-
-
-def steal_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
-    """Share of the CPU time between two `cpu_times` readings that the hypervisor stole."""
-    if before is None or after is None or after[1] <= before[1]:
-        return None
-    return round((after[0] - before[0]) / (after[1] - before[1]), 3)
 
 
 def contexts(capacity: int, steps: int) -> list[int]:
@@ -292,7 +221,7 @@ class Worker:
     def close(self) -> None:
         """Waits for a finished worker to exit; kills one that was not asked to finish (an
         error elsewhere). WHY finish all, then close all: each interpreter's shutdown takes
-        ~1 s here, and this way they overlap."""
+        a while, and this way they overlap."""
         if self.proc.poll() is None:
             if self.finished:
                 try:
@@ -310,12 +239,12 @@ def measure_interleaved(workers: list, rounds: int, bandwidth=None, progress=Non
 
     For each context index, each round runs every worker once in turn (in the given order in
     even rounds, reversed in odd ones), so the backends compared at a context are measured
-    minutes apart at most, on a machine whose speed drifts (the readings of one backend run
-    minutes apart varied by 40% here). Each worker's decode time at
+    minutes apart at most, on a machine whose speed drifts (a backend's readings minutes apart
+    can differ by tens of percent). Each worker's decode time at
     a context is the median of all its timed steps over the rounds; prefill, the median prefill.
     `decode_ms_best` is the lowest of the rounds' own medians: on a machine shared with other
     work, noise only adds time, and a step of hundreds of small parallel operators (a `.pte`)
-    loses far more to a busy stretch than a few large ones (export/probes/README.md, section 14).
+    loses far more to a busy stretch than a few large ones (docs/performance.md, "Measuring").
 
     Args:
         workers: objects with `.contexts` (list of ints) and `.measure(ctx) -> dict(prefill_s,
@@ -414,7 +343,7 @@ def bench(args) -> int:
                          f"(minutes for a large model) ...")
                     results[i] = _subprocess(["--worker", "export", *opts[i]])
             # One worker per job. Their processes start at once (each interpreter's imports,
-            # ~7-10 s of CPU here, overlap); once all have started, they load one after another
+            # seconds of CPU, overlap); once all have started, they load one after another
             # (warm-up times without contention), then idle (blocked on stdin) while the
             # others run.
             info(f"starting {len(jobs)} benchmark workers ...")

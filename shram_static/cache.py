@@ -2,7 +2,8 @@
 
 `generate()` talks to a cache through a small protocol (transformers 5.x): `get_seq_length()`
 (it slices `input_ids` and the attention mask by it), `is_compileable` (auto-compile of the
-decode forward), `reorder_cache(beam_idx)` (beam search), and `crop` only in assisted decoding.
+decode forward), `reorder_cache(beam_idx)` (beam search), and `crop` / `is_croppable` in
+assisted and prompt-lookup decoding (forgetting rejected tokens: `HostDecoder.rollback`).
 SHRAM's state is not head-shaped key/value tensors that grow by one column per token: each
 decoder layer holds a local ring and per-expert sparse caches (see `state.py`), written by the
 static step (`step.py`). So the layers here are thin views on `StaticState.layers`, and all
@@ -13,6 +14,7 @@ Two counters, both tensors: Python ints stored on the cache would be guarded by
 - `live_counts (B,)`: live tokens each row holds (the step's `input_pos`).
 - `columns ()`: padded columns consumed, what `get_seq_length()` reports; a dead (left-pad)
   column counts, because `generate()` slices the padded `input_ids` and mask by it.
+- `undo (B,)`: tokens each row can forget now (`crop`), at most `rollback_limit`.
 """
 
 import torch
@@ -35,14 +37,14 @@ class ShramCacheLayer(CacheLayerMixin):
     """
 
     is_compileable = True
-    is_croppable = False
+    is_croppable = True  # exact, up to the cache's rollback_limit (ShramCache.crop)
 
     def __init__(self, cache: "ShramCache", index: int):
         super().__init__()
         self._cache = cache
         self.index = index
         self.batch_size = cache.state.batch_size
-        self.buffers = cache.state.layers[index]  # LayerState: taken, local_k/v, sparse_k/v
+        self.buffers = cache.state.layers[index]  # LayerState: routes, local_k/v, sparse_k/v
         self.is_initialized = True  # allocated up front, never lazily
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -79,6 +81,8 @@ class ShramCache(Cache):
         prefill_chunk: C, tokens per prefill step; a longer input runs as several chunks of
             exactly C (the last padded with dead tokens), so every prefill step has one shape.
         dtype, device: of the state; use the model's (`model.dtype`, `model.device`).
+        rollback_limit: the most tokens `crop` can remove at once (default and minimum
+            prefill_chunk; assisted decoding removes up to its number of draft tokens).
 
     Pass it as `model.generate(..., cache=cache)` to keep the state across calls: the next
     call's `input_ids` must then be the whole sequence so far (earlier prompt and outputs
@@ -87,17 +91,19 @@ class ShramCache(Cache):
     """
 
     def __init__(self, config: ShramConfig, batch_size: int = 1, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 dtype: torch.dtype = torch.float32, device=None):
+                 dtype: torch.dtype = torch.float32, device=None, rollback_limit: int | None = None):
         if not isinstance(config, ShramConfig):
             raise TypeError(f"config must be a ShramConfig, got {type(config).__name__}")
         for name, v in (("batch_size", batch_size), ("prefill_chunk", prefill_chunk)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         self.config = config
-        self.state = StaticState(config, batch_size, prefill_chunk, dtype=dtype, device=device)
-        dev = self.state.layers[0].taken.device
+        self.state = StaticState(config, batch_size, prefill_chunk, dtype=dtype, device=device,
+                                 rollback_limit=rollback_limit)
+        dev = self.state.layers[0].routes.device
         self.live_counts = torch.zeros(batch_size, dtype=torch.long, device=dev)  # (B,)
         self.columns = torch.zeros((), dtype=torch.long, device=dev)  # ()
+        self.undo = torch.zeros(batch_size, dtype=torch.long, device=dev)  # (B,)
         super().__init__(layers=[ShramCacheLayer(self, i) for i in range(config.num_decoder_layers)])
 
     # -- properties -------------------------------------------------------------------
@@ -108,6 +114,11 @@ class ShramCache(Cache):
     @property
     def prefill_chunk(self) -> int:
         return self.state.prefill_chunk
+
+    @property
+    def rollback_limit(self) -> int:
+        """The most tokens `crop` can remove at once."""
+        return self.state.rollback_limit
 
     @property
     def capacity(self) -> int:
@@ -135,16 +146,39 @@ class ShramCache(Cache):
         self.state.zero_()
         self.live_counts.zero_()
         self.columns.zero_()
+        self.undo.zero_()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row b takes the state of row `beam_idx[b]`, in place (beam search)."""
         idx = beam_idx.to(device=self.device, dtype=torch.long)
         self.state.reorder_(idx)
         self.live_counts.copy_(self.live_counts.index_select(0, idx))
+        self.undo.copy_(self.undo.index_select(0, idx))
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError("a ShramCache cannot be rolled back (crop): its routing and ring state keep no "
-                         "history, so assisted / prompt-lookup decoding is not supported")
+        """Forgets the last `-tokens_to_remove` columns of every row, exactly (transformers 5.x
+        semantics: a negative count; 0 is a no-op). The columns must be live tokens of every
+        row (what assisted decoding appends).
+
+        Raises:
+            ValueError: a positive count, or more than a row can forget (`rollback_limit`,
+                fewer right after a crop); nothing changed.
+        """
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise TypeError(f"tokens_to_remove must be an int, got {type(tokens_to_remove).__name__}")
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove} "
+                             f"(the absolute-length form is not supported)")
+        n = -tokens_to_remove
+        if n == 0:
+            return
+        can = torch.minimum(self.undo, self.live_counts).min().item()
+        if n > can or n > int(self.columns):
+            raise ValueError(f"cannot crop {n} tokens: a row can forget at most {can} now (this cache keeps "
+                             f"the last rollback_limit={self.rollback_limit} fed tokens, fewer since a crop)")
+        self.live_counts.sub_(n)
+        self.undo.sub_(n)
+        self.columns.sub_(n)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise ValueError("a ShramCache has a fixed batch size; build one with the batch size you need")
@@ -200,5 +234,7 @@ class ShramCache(Cache):
     def _step(self, model, tokens: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         logits, _, _ = step(model=model, state=self.state.tensors(), tokens=tokens, input_pos=self.live_counts,
                             live=live, ring=self.state.ring, inplace=True)
-        self.live_counts.add_(live.long().sum(1))
+        n = live.long().sum(1)
+        self.live_counts.add_(n)
+        self.undo.copy_((self.undo + n).clamp(max=self.state.rollback_limit))
         return logits

@@ -8,15 +8,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import ShramConfig
+from .errors import CheckpointError
 from .rope import RotaryTables
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded: the message says which file or key."""
 
 
 def expected_shapes(model) -> dict[str, tuple[int, ...]]:
@@ -59,8 +56,10 @@ def _resolve_kwargs(path: str, dtype, kwargs: dict):
 
 
 def load_pretrained(cls, path, dtype: torch.dtype | str = torch.float32, config: ShramConfig | None = None,
-                    **kwargs):
+                    check_finite: bool = True, **kwargs):
     """See `ShramForCausalLM.from_pretrained`."""
+    if not isinstance(check_finite, bool):
+        raise TypeError(f"check_finite must be a bool, got {check_finite!r}")
     path, dtype = _resolve_kwargs(os.fspath(path), dtype, kwargs)
     if config is not None and not isinstance(config, ShramConfig):
         raise TypeError(f"config must be a ShramConfig, got {type(config).__name__}")
@@ -98,6 +97,8 @@ def load_pretrained(cls, path, dtype: torch.dtype | str = torch.float32, config:
     if problems:
         raise CheckpointError(f"{os.path.join(path, WEIGHTS_FILE)} does not match its config.json: "
                               + "; ".join(problems))
+    if check_finite:
+        check_finite_tensors(sd, os.path.join(path, WEIGHTS_FILE))
     # Build on the meta device (no random init, no global-RNG use), then take the file's
     # tensors as the parameters; only the computed RoPE tables are made for real.
     with torch.device("meta"):
@@ -107,6 +108,27 @@ def load_pretrained(cls, path, dtype: torch.dtype | str = torch.float32, config:
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
     model.rope = RotaryTables(config)
     return model.eval()
+
+
+def check_finite_tensors(sd: dict, where: str) -> None:
+    """Raises CheckpointError naming every tensor of `sd` that holds a NaN or an Inf.
+
+    WHY at load time: a single NaN weight makes every logit NaN, and greedy decoding then
+    emits token 0 forever; found here, the message names the tensor instead.
+
+    Args:
+        sd: key -> tensor, as read from the file.
+        where: the file, for the message.
+    """
+    bad = []
+    for k in sorted(sd):
+        t = sd[k]
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            bad.append(f"{k} ({nan} NaN, {inf} Inf of {t.numel()})")
+    if bad:
+        raise CheckpointError(f"{where} holds non-finite values in {_some(bad)}; the weights are "
+                              f"corrupt (pass check_finite=False to load them anyway)")
 
 
 def _read_config(config_path: str) -> ShramConfig:

@@ -11,19 +11,9 @@ import contextlib
 import sys
 import time
 
+from .arguments import positive_int
 from .backends import BACKENDS
 from .console import info
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a positive integer."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def generate(args) -> int:
@@ -56,14 +46,23 @@ def generate(args) -> int:
     # in); the streamer ends it with a newline. Progress stays on stderr.
     streamer = TextTokenStreamer(tok, sys.stdout, eos_token_id=tok.eos_token_id)
     with contextlib.ExitStack() as stack:
+        spec = args.speculate or (4 if args.draft is not None else None)
+        verify = spec + 1 if spec else None
         dec = make_decoder(model, args.backend, args.prefill_chunk, stack, tok.eos_token_id,
-                               getattr(tok, "bos_token_id", None))
+                           getattr(tok, "bos_token_id", None), verify_len=verify)
+        draft = None
+        if args.draft is not None:  # the draft runs on the same backend
+            info(f"loading the draft model {args.draft} ...")
+            draft_model, _ = load_model_and_tokenizer(args.draft)
+            draft = make_decoder(draft_model, args.backend, args.prefill_chunk, stack, tok.eos_token_id,
+                                 getattr(tok, "bos_token_id", None), verify_len=verify)
         if args.backend == "compiled":
             info("compiling the prefill and decode steps (first call)...")
         t0 = time.perf_counter()
         dec.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
                      do_sample=sample, temperature=args.temperature or 1.0, top_k=args.top_k,
-                     top_p=args.top_p, seed=args.seed, eos_token_id=tok.eos_token_id, streamer=streamer)
+                     top_p=args.top_p, seed=args.seed, eos_token_id=tok.eos_token_id, streamer=streamer,
+                     speculate=args.speculate, draft=draft)
         dt = time.perf_counter() - t0
     info(f"{len(streamer.tokens)} new tokens in {dt:.2f} s ({args.backend})")
     return 0
@@ -87,6 +86,11 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--top-k", type=positive_int, metavar="K", help="sample from the K most likely tokens")
     p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling")
     p.add_argument("--seed", type=int, metavar="S", help="seed of the sampler")
+    p.add_argument("--speculate", type=positive_int, metavar="K",
+                   help="speculative decoding: up to K guessed tokens per verify step, from prompt "
+                        "lookup or --draft (greedy output unchanged)")
+    p.add_argument("--draft", metavar="DIR", help="checkpoint of a smaller draft model with the same "
+                                                  "tokenizer (implies --speculate 4)")
     p.set_defaults(func=generate)
 
 
@@ -96,12 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     _add_generate(subparsers)
-    from . import bench, evaluate, train
+    from . import bench, bench_speculative, evaluate, train
     from .export import cli as export_cli
     bench.register(subparsers)
+    bench_speculative.register(subparsers)
     export_cli.register(subparsers)
     train.register(subparsers)
     evaluate.register(subparsers)
+    from .serve import cli as serve_cli  # FastAPI/uvicorn are imported only when serving
+    serve_cli.register(subparsers)
     return parser
 
 

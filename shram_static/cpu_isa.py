@@ -3,22 +3,26 @@
 Before it generates its first C++ kernel in a process, Inductor decides which vector ISA to
 compile for (`cpu_vec_isa.pick_vec_isa`). Its `valid_vec_isa_list` builds and loads a probe
 program for every ISA the CPU reports, one after the other, and `pick_vec_isa` then takes the
-first valid one. On this 2-core AMX machine that is 10 g++ runs (AMX, AVX-512 VNNI and AVX-512
-each re-check the ISAs below them, bf16 variant included) and 10 child Pythons: 19.7 s with a
-cold compile cache (a new user's first compile), of which the chosen ISA's own checks are 5.5 s;
-the rest only ever decides ISAs that are not used.
+first valid one. On an AVX-512/AMX CPU that is about ten g++ runs and child Pythons with a cold
+compile cache (a new user's first compile), most of them deciding ISAs that are never used
+(docs/performance.md, "Accelerators").
 
 `start_isa_checks` checks the candidates in Inductor's order in a background thread and stops
 at the first valid one, through exactly the calls Inductor makes (`bool(isa)`, cached per ISA
 object). Meanwhile Dynamo and AOTAutograd trace on the other core; when Inductor first asks
 for the list, it waits for the thread and gets the chosen ISA: the ISA `pick_vec_isa` would
 pick from the full list.
+
+Registered as the accelerator `isa_check_ahead` (shram_static/accelerators.py): with another
+torch than it was verified on, or with `SHRAM_STATIC_STOCK=1`, nothing is started.
 """
 
 import os
 import platform
 import sys
 import threading
+
+from .accelerators import enabled
 
 
 def _candidates() -> list | None:
@@ -87,8 +91,9 @@ def start_isa_checks() -> threading.Thread | None:
     `cpp.simdlen` nor `ATEN_CPU_CAPABILITY` is set; otherwise Inductor's own function runs).
     Nothing compiles before the wait, and nothing else probes ISA objects while the thread
     does (an ISA object probed by two threads at once could see the other's temporary compiler
-    flags: `VecAVX512.__bool__` rewrites its `_arch_flags` while it checks bf16). With any other
-    torch, a setting that needs the full list, or a decision already made, it does nothing.
+    flags: `VecAVX512.__bool__` rewrites its `_arch_flags` while it checks bf16). Where the
+    accelerator `isa_check_ahead` is off, with a setting that needs the full list, or with a
+    decision already made, it does nothing.
 
     Returns:
         The daemon thread running (or done with) the check: the same thread for every call in
@@ -97,6 +102,8 @@ def start_isa_checks() -> threading.Thread | None:
     global _started
     with _lock:
         if _started is None:
+            if not enabled("isa_check_ahead"):
+                return None
             candidates = _candidates()
             if candidates is None:
                 return None

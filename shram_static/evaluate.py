@@ -15,8 +15,8 @@ import os
 import sys
 import time
 
+from .arguments import positive_int
 from .backends import BACKENDS, make_decoder
-from .cli import positive_int
 from .console import info
 
 

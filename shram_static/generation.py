@@ -6,7 +6,8 @@ head-shaped, growing key/value caches (transformers 5.x generation internals):
   a user-supplied one, and checks capacity before anything runs;
 - `prepare_inputs_for_generation`: hands the forward only the mask columns of the new tokens,
   as a fresh contiguous bool tensor (never the growing 2-D mask, never a 4-D mask);
-- `_validate_generation_mode`: rejects modes that need cache rollback up front;
+- `_validate_generation_mode`: rejects unsupported modes up front (assisted and prompt-lookup
+  decoding run: `ShramCache.crop` forgets rejected draft tokens exactly);
 - `get_compiled_call`: transformers' compiled forward, its first compile made faster on CPU.
 """
 
@@ -22,6 +23,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from .cache import DEFAULT_PREFILL_CHUNK, ShramCache
 from .cpu_isa import start_isa_checks
 from .kernel_builds import run_batched
+from .validation import check_capacity
 
 
 def default_compile_config() -> CompileConfig:
@@ -52,18 +54,16 @@ def _new_token_mask(attention_mask: torch.Tensor | None, ids: torch.Tensor) -> t
 class ShramGenerationMixin(GenerationMixin):
     """`GenerationMixin` for SHRAM: greedy, sampling and beam search on a `ShramCache`."""
 
-    # Modes that run on the static state. Assisted / prompt-lookup decoding need to roll the
-    # cache back (`crop`), which the state cannot do; the rest are hub-only recipes.
+    # Modes that run on the static state (assisted / prompt-lookup decoding roll the cache back
+    # with `ShramCache.crop`); the rest are hub-only recipes.
     _supported_generation_modes = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE,
-                                   GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
+                                   GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE,
+                                   GenerationMode.ASSISTED_GENERATION)
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         if generation_mode not in self._supported_generation_modes:
-            why = (" (it rolls the cache back after rejected draft tokens, which SHRAM's static "
-                   "routing and ring state cannot do)"
-                   if generation_mode == GenerationMode.ASSISTED_GENERATION else "")
             raise ValueError(f"{type(self).__name__}.generate does not support generation mode "
-                             f"{generation_mode.value!r}{why}; supported: "
+                             f"{generation_mode.value!r}; supported: "
                              f"{[m.value for m in self._supported_generation_modes]}")
         super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
 
@@ -78,8 +78,8 @@ class ShramGenerationMixin(GenerationMixin):
     def get_compiled_call(self, compile_config):
         """transformers' `torch.compile` of the forward (`PreTrainedModel.get_compiled_call`), each
         call run inside `batched_builds()`, with Inductor's vector-ISA check started beside the
-        first trace on CPU, as `StaticDecoder(compile=True)` does: a cold first compiled
-        `generate()` of a 1-layer model took 42-44 s without, 22-25 s with (kernel_builds.py).
+        first trace on CPU, as `StaticDecoder(compile=True)` does (a cold first compiled
+        `generate()` builds its kernels in far less time: docs/performance.md, "Warm-up").
 
         Args:
             compile_config: `CompileConfig` or None (transformers' default handling).
@@ -119,8 +119,6 @@ class ShramGenerationMixin(GenerationMixin):
                 already consumed.
             CapacityError: some row would hold more live tokens than `inference_sequence_length`.
         """
-        from .host import CapacityError  # host imports model, which imports this module
-
         if generation_config.cache_implementation is not None:
             raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not "
                              f"supported: SHRAM generates on its own fixed-shape ShramCache (leave "
@@ -148,21 +146,22 @@ class ShramGenerationMixin(GenerationMixin):
                     else torch.full((rows,), n_in - past, dtype=torch.long))
         held = cache.live_counts.cpu() if cache is not None else torch.zeros(rows, dtype=torch.long)
         need = held + new_live + fed_after
-        capacity = self.config.inference_sequence_length
-        if bool((need > capacity).any()):
-            bad = torch.nonzero(need > capacity).flatten().tolist()
-            raise CapacityError(
-                f"rows {bad[:8]} would hold {int(need.max())} live tokens ({int(held.max())} cached + "
-                f"{int(new_live.max())} new input + {fed_after} generated and fed back), more than the "
-                f"capacity of {capacity} (inference_sequence_length); lower max_new_tokens, shorten the "
-                f"input, or load the model with a larger inference_sequence_length")
+        check_capacity(need, self.config.inference_sequence_length,
+                       f" ({int(held.max())} cached + {int(new_live.max())} new input + {fed_after} "
+                       f"generated and fed back)",
+                       "lower max_new_tokens, shorten the input, or load the model with a larger "
+                       "inference_sequence_length")
         if cache is not None:
             cache._is_user_defined = True
             return
         if generation_config.use_cache is False:
             return  # the uncached forward over the whole sequence at every step
         chunk = generation_config.prefill_chunk_size or DEFAULT_PREFILL_CHUNK
-        model_kwargs["cache"] = ShramCache(self.config, rows, chunk, dtype=self.dtype, device=self.device)
+        drafts = 0  # assisted decoding forgets up to its draft length per step (`crop`)
+        if generation_mode == GenerationMode.ASSISTED_GENERATION:
+            drafts = max(generation_config.prompt_lookup_num_tokens or 0, generation_config.num_assistant_tokens or 0)
+        model_kwargs["cache"] = ShramCache(self.config, rows, chunk, dtype=self.dtype, device=self.device,
+                                           rollback_limit=drafts)
 
 
 class TextTokenStreamer(BaseStreamer):

@@ -11,11 +11,22 @@ from transformers.generation.logits_process import (LogitsProcessorList, Tempera
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from .config import ShramConfig
-from .model import check_input_ids, check_mask
+from .errors import CapacityError, NonFiniteLogitsError
+from .validation import check_capacity, check_input_ids, check_mask
+
+__all__ = ["CapacityError", "HostDecoder"]
 
 
-class CapacityError(ValueError):
-    """A row would hold more live tokens than the decoder's capacity."""
+def _check_finite(logits: torch.Tensor, live: torch.Tensor) -> None:
+    """Raises NonFiniteLogitsError if the logits (B, C, V) of a live token (live (B, C)) hold a
+    NaN or an Inf. WHY: sampling from them would silently emit token 0 (argmax of NaN) forever.
+    The step has run (its state holds the token); `reset()` or `reset_rows` starts over."""
+    bad = ~torch.isfinite(logits).all(-1) & live.to(logits.device)  # (B, C)
+    if bool(bad.any()):
+        rows = sorted({int(r) for r in bad.nonzero()[:, 0]})
+        raise NonFiniteLogitsError(
+            f"the step produced NaN or Inf logits for rows {rows}: the model's weights (or its "
+            f"activations in this dtype) are not finite; nothing was sampled")
 
 
 class HostDecoder:
@@ -40,6 +51,11 @@ class HostDecoder:
         self.capacity = config.inference_sequence_length
         self.eos_token_id = eos_token_id
         self._count = torch.zeros(batch_size, dtype=torch.long)  # live tokens per row
+        # Rollback (a backend sets both after this): the most tokens a row can forget at once
+        # (0: none), and the verify step's tokens per row (None: verify runs as prefill).
+        self.rollback_limit = 0
+        self.verify_len: int | None = None
+        self._undo = torch.zeros(batch_size, dtype=torch.long)  # tokens each row can forget now
 
     # -- backend hooks --------------------------------------------------------------
     def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
@@ -58,6 +74,7 @@ class HostDecoder:
     def reset(self) -> None:
         """Starts every row afresh (position 0)."""
         self._count.zero_()
+        self._undo.zero_()
         self._reset_state()
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -130,12 +147,145 @@ class HostDecoder:
         self._count += live.long()
         return logits.float().cpu()
 
+    # -- rollback and verification (speculative decoding) ----------------------------
+    def rollback(self, n) -> None:
+        """Forgets the last n tokens of each row, exactly: every later logit equals that of a
+        decoder that was never fed them.
+
+        Only the host's live count moves (see `state.py`): a row can forget up to
+        `rollback_limit` tokens, fewer right after a rollback (until that many more were fed).
+
+        Args:
+            n: an int (every row) or a (B,) integer tensor / sequence (per row), each
+                0 <= n[b] <= `rollbackable[b]`.
+
+        Raises:
+            TypeError, ValueError: a bad n, or more than a row can forget (nothing changed).
+        """
+        if isinstance(n, bool) or not isinstance(n, (int, torch.Tensor, list, tuple)):
+            raise TypeError(f"n must be an int or a (B,) integer tensor, got {type(n).__name__}")
+        t = torch.as_tensor(n)
+        if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+            raise TypeError(f"n must hold integers, got dtype {t.dtype}")
+        t = t.long().cpu().expand(self.batch_size) if t.dim() == 0 else t.long().cpu()
+        if t.shape != (self.batch_size,):
+            raise ValueError(f"n must be an int or have shape ({self.batch_size},), got {tuple(t.shape)}")
+        if bool((t < 0).any()):
+            raise ValueError(f"n must be >= 0, got {t.tolist()}")
+        can = self.rollbackable
+        if bool((t > can).any()):
+            b = int(torch.nonzero(t > can)[0])
+            if not self.rollback_limit:
+                why = "this decoder cannot roll back (an export written without rollback support: re-export it)"
+            elif can[b] == self._count[b]:
+                why = f"it holds {int(self._count[b])} tokens"
+            else:
+                why = (f"it can forget at most {int(can[b])} now (this decoder keeps the last "
+                       f"rollback_limit={self.rollback_limit} fed tokens, fewer since a rollback)")
+            raise ValueError(f"cannot roll back {int(t[b])} tokens of row {b}: {why}")
+        self._count -= t
+        self._undo -= t
+
+    @property
+    def rollbackable(self) -> torch.Tensor:
+        """(B,) the most tokens each row can forget now (`rollback`)."""
+        return torch.minimum(self._undo, self._count)
+
+    def verify(self, ids: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
+        """Feeds n <= `verify_len` tokens per row in one fixed-shape step (n = k + 1: the last
+        accepted token and k guesses) and returns their logits; roll the rejected tail back
+        with `rollback`. Without a verify step (`verify_len` None) the tokens run as `prefill`.
+
+        Args:
+            ids: (B, n) token ids.
+            active: (B, n) bool, live tokens (default all); a row's live tokens are appended in
+                column order.
+
+        Returns:
+            (B, n, V) float logits (unspecified at dead tokens).
+
+        Raises:
+            TypeError, ValueError, CapacityError before running anything (state unchanged).
+        """
+        n = self.verify_len or self.prefill_chunk
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > n:
+            raise ValueError(f"verify takes at most {n} tokens per row (verify_len), got {ids.shape[1]}")
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == 1:
+            return self.decode(ids[:, 0], None if active is None else active[:, 0])[:, None]
+        if self.verify_len is None:
+            return self.prefill(ids, active)
+        ids, live = self._check_prompt(ids, active)
+        self._check_capacity(live.long().sum(1))
+        pad = n - ids.shape[1]
+        lg = self._call(torch.nn.functional.pad(ids, (0, pad)), self._count, torch.nn.functional.pad(live, (0, pad)))
+        self._count += live.long().sum(1)
+        return lg[:, :ids.shape[1]].float().cpu()
+
+    # -- per-row lifecycle (continuous batching) --------------------------------------
+    def reset_rows(self, rows) -> None:
+        """Starts the given rows afresh (position 0); every other row keeps its state.
+
+        Nothing is cleared: the next step hands these rows position 0, and a step reads only
+        what a row wrote since its own position 0. A row is freed by simply not marking its
+        tokens live again (dead tokens are no-ops), so a finished row costs nothing until it is
+        reset for the next sequence.
+
+        Args:
+            rows: a row index, or a sequence / 1-D integer tensor of them, each in [0, B).
+
+        Raises:
+            TypeError, ValueError: a row that is not an int in range (nothing changed).
+        """
+        idx = torch.as_tensor([rows] if isinstance(rows, int) else rows)
+        if idx.dim() != 1 or (idx.numel() and (idx.dtype.is_floating_point or idx.dtype == torch.bool)):
+            raise TypeError(f"rows must be an int or a sequence of ints, got {rows!r}")
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.batch_size):
+            raise ValueError(f"rows must be in [0, {self.batch_size}), got {idx.tolist()}")
+        self._count[idx.long()] = 0
+        self._undo[idx.long()] = 0  # as `reset`: nothing of the new sequence to forget yet
+
+    def step(self, input_ids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """Runs one fixed-shape step: each row advances by its own number of live tokens.
+
+        The building block of continuous batching: one call may carry a prompt chunk for one
+        row, one decode token for each other running row and nothing (all dead) for idle rows.
+        Only the two compiled shapes exist, so no mix of rows ever recompiles. A row's logits
+        depend only on its own tokens (rows never mix).
+
+        Args:
+            input_ids: (B, C) token ids with C = 1 (the decode step) or C = prefill_chunk
+                (the prefill step); any id in the vocabulary at dead tokens.
+            live: (B, C) bool / 0-1, which tokens are live; a row's live tokens are appended
+                in column order after the tokens it already holds.
+
+        Returns:
+            (B, C, V) float logits (unspecified at dead tokens).
+
+        Raises:
+            TypeError, ValueError, CapacityError before running anything (state unchanged).
+        """
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        C = self.prefill_chunk
+        if input_ids.dim() != 2 or input_ids.shape[0] != self.batch_size or input_ids.shape[1] not in (1, C):
+            raise ValueError(f"input_ids must have shape ({self.batch_size}, 1) or ({self.batch_size}, {C}) "
+                             f"(batch_size, 1 or prefill_chunk), got {tuple(input_ids.shape)}")
+        check_input_ids(input_ids, self.config.vocab_size)
+        if live is None:
+            raise TypeError("live must be a (B, C) bool tensor, got None")
+        lv = check_mask(live, input_ids.shape, "live").cpu()
+        n_new = lv.long().sum(1)
+        self._check_capacity(n_new)
+        logits = self._call(input_ids.long().cpu(), self._count, lv)
+        self._count += n_new
+        return logits.float().cpu()
+
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  eos_token_id: int | None = None, pad_token_id: int | None = None,
-                 streamer=None) -> torch.Tensor:
+                 streamer=None, speculate: int | None = None, draft=None) -> torch.Tensor:
         """Resets, prefills the prompt, then decodes new tokens (greedy by default).
 
         Args:
@@ -148,6 +298,12 @@ class HostDecoder:
             pad_token_id: fills a row after it stopped (default: eos_token_id, else 0).
             streamer: a transformers-style streamer (e.g. `TextStreamer`, batch 1): gets
                 `put(prompt ids)`, then `put(tokens (B,))` as each is produced, then `end()`.
+            speculate: k > 0 to decode speculatively (`speculative.py`): up to k guessed tokens
+                per row and round, checked in one verify step, the rejected ones rolled back.
+                The tokens are exactly greedy decoding's; samples follow the same distribution
+                as without speculation. Guesses come from prompt lookup, or from `draft`.
+            draft: a `HostDecoder` of a smaller model with the same vocabulary and batch size,
+                which drafts the guesses (implies speculate=4 if speculate is None).
 
         Returns:
             (B, n) int64 new tokens.
@@ -162,10 +318,9 @@ class HostDecoder:
             raise ValueError(f"every row needs at least one live prompt token; rows "
                              f"{torch.nonzero(n_prompt == 0).flatten().tolist()} have none")
         # The last new token is returned, not fed back: n_prompt + n - 1 tokens are held.
-        need = n_prompt + max_new_tokens - 1
-        if bool((need > self.capacity).any()):
-            raise CapacityError(f"prompt plus max_new_tokens - 1 = {need.max().item()} tokens exceed "
-                                f"the capacity of {self.capacity} per row (inference_sequence_length)")
+        check_capacity(n_prompt + max_new_tokens - 1, self.capacity, " (prompt + max_new_tokens - 1)",
+                       "shorten the prompt, lower max_new_tokens, or build the model with a larger "
+                       "inference_sequence_length")
         eos = self.eos_token_id if eos_token_id is None else eos_token_id
         pad = pad_token_id if pad_token_id is not None else (eos if eos is not None else 0)
         sample = do_sample or temperature != 1.0 or top_k is not None or top_p is not None
@@ -177,6 +332,24 @@ class HostDecoder:
         if top_p is not None:
             warp.append(TopPLogitsWarper(top_p))
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        if speculate is not None or draft is not None:
+            k = 4 if speculate is None else speculate
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise ValueError(f"speculate must be a positive int, got {speculate!r}")
+            if draft is not None and (not isinstance(draft, HostDecoder) or draft.batch_size != self.batch_size
+                                      or draft.config.vocab_size != self.config.vocab_size):
+                raise ValueError("draft must be a HostDecoder with this decoder's batch_size "
+                                 f"({self.batch_size}) and vocabulary ({self.config.vocab_size} tokens)")
+            if draft is not None and bool((n_prompt + max_new_tokens - 1 > draft.capacity).any()):
+                raise ValueError(f"the draft decoder holds {draft.capacity} tokens per row, fewer than the "
+                                 f"prompt plus max_new_tokens - 1")
+            for d in (self, draft):
+                if d is not None and not d.rollback_limit:
+                    raise ValueError(f"{type(d).__name__} cannot roll back (an export written without "
+                                     f"rollback support): re-export it to decode speculatively")
+            from .speculative import speculative_generate
+            return speculative_generate(self, ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer,
+                                        k, draft)
 
         self.reset()
         logits = self.prefill(ids, live, last_only=True)  # (B, V)
@@ -207,7 +380,12 @@ class HostDecoder:
         # strides, and a column slice of a one-row prompt keeps the parent's row stride
         # (.contiguous() is a no-op for it), which made every prefill call recompile.
         canon = lambda t: t.clone(memory_format=torch.contiguous_format)
-        return self._run(canon(tokens), canon(input_pos), canon(live))
+        out = self._run(canon(tokens), canon(input_pos), canon(live))
+        # A fed token can be forgotten until rollback_limit later ones have been fed (the ring
+        # and the routing history keep the last rollback_limit tokens beyond what a step needs).
+        self._undo = (self._undo + live.long().sum(1)).clamp(max=self.rollback_limit)
+        _check_finite(out, live)
+        return out
 
     # -- validation -----------------------------------------------------------------
     def _check_prompt(self, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,9 +404,5 @@ class HostDecoder:
         return input_ids.long().cpu(), live
 
     def _check_capacity(self, n_new: torch.Tensor) -> None:
-        total = self._count + n_new
-        if bool((total > self.capacity).any()):
-            rows = torch.nonzero(total > self.capacity).flatten().tolist()
-            raise CapacityError(f"rows {rows} would hold {total.max().item()} live tokens, more than the "
-                                f"capacity of {self.capacity} (inference_sequence_length); call reset() "
-                                f"or build the model with a larger inference_sequence_length")
+        check_capacity(self._count + n_new, self.capacity,
+                       advice="call reset() or build the model with a larger inference_sequence_length")

@@ -3,11 +3,10 @@
 In its Python-wrapper mode Inductor builds every C++ kernel of a graph as its own shared
 library: the generated wrapper module calls `AsyncCompile.cpp_pybinding(argtypes, source)`
 once per kernel (one g++ run each, `compile_threads` at a time) and `AsyncCompile.wait` before
-the graph first runs. Each g++ run pays a fixed ~0.7-1.0 s on this machine, most of it
-instantiating the templates of `cpp_prefix.h`, which its precompiled header leaves to every
-translation unit. With a cold compile cache (a new user's first run) that fixed cost is about
-half of all the C++ time of the two steps. The six kernels of the bench model's decode step:
-10.7-11.7 s of g++ one by one, 3.8-4.4 s as one file (`export/probes/README.md`, section 20).
+the graph first runs. Each g++ run pays a fixed cost, most of it instantiating the templates of
+`cpp_prefix.h`, which its precompiled header leaves to every translation unit; with a cold
+compile cache (a new user's first run) that fixed cost is a large share of a step's C++ build
+time (docs/performance.md, "Accelerators").
 
 Inside `batched_builds()`, the kernels one wrapper module asks for are collected instead, and
 built when its `wait` (or anything else) first needs one: split into `compile_threads` files
@@ -19,6 +18,9 @@ build or load, is built the way Inductor builds it (the failed file costs its bu
 the kernels run are always Inductor's own code). Outside the context, and with one compile
 thread, Inductor's path is untouched: the patch is process-wide but only acts where a caller
 enters the context (the steps of a `StaticDecoder`, `shram-static train --compile`).
+
+Registered as the accelerator `batched_kernel_builds` (shram_static/accelerators.py): with
+another torch than it was verified on, or with `SHRAM_STATIC_STOCK=1`, the context does nothing.
 """
 
 import contextlib
@@ -26,6 +28,8 @@ import functools
 import logging
 import re
 import threading
+
+from .accelerators import enabled
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +43,11 @@ _original = None  # Inductor's AsyncCompile.cpp_pybinding, once patched
 @contextlib.contextmanager
 def batched_builds():
     """Within this context (on this thread), the C++ kernels of each graph Inductor compiles
-    are built a few files at a time. Installs the patch on first use; nests; yields nothing."""
+    are built a few files at a time. Installs the patch on first use; nests; yields nothing.
+    Does nothing where the accelerator `batched_kernel_builds` is off."""
+    if not enabled("batched_kernel_builds"):
+        yield
+        return
     _install()
     _local.depth = getattr(_local, "depth", 0) + 1
     try:

@@ -1,8 +1,9 @@
 """Parameter-holding modules of one SHRAM decoder layer, named as in the checkpoint (SPEC A.2).
 
-They hold weights and the position-free math (norms, projections, MLP). Attention over a
-sequence lives in `model.py` (uncached forward) and `step.py` (static prefill/decode), which
-call these modules with explicit tensors.
+They hold weights and the position-free math (norms, projections, MLP, the selected experts'
+projections). Attention over a sequence lives in `model.py` (uncached forward) and `step.py`
+(static prefill/decode), which call these modules with explicit tensors. The fast paths that
+replace some of these layers on a copy of the model are in `fast_layers.py`.
 """
 
 import math
@@ -12,8 +13,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ShramConfig
-from .experts import gather_experts, mix_experts
 from .reductions import mean_last
+
+
+def gather_experts(w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Weights of the selected experts: w (L, a, b), idx (B, C, K) -> (B, C, K, a, b).
+
+    One 1-D index_select over the leading dim, not `w[idx]`: ExecuTorch runs the latter as an
+    element-wise portable index.Tensor, the former as a copy of K contiguous (a, b) blocks, far
+    faster (docs/performance.md).
+    """
+    return w.index_select(0, idx.reshape(-1)).view(*idx.shape, *w.shape[1:])
+
+
+def mix_experts(o_proj: torch.Tensor, y: torch.Tensor, P: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """sum_k P_k y_k o_proj[idx_k]: y (B, C, K, u), P (B, C, K), idx (B, C, K) -> (B, C, d).
+
+    One batched matmul per token over its K experts' stacked (u, d) rows (`bmm`, not `@`: see
+    `masked_attention`).
+    """
+    B, C, K, u = y.shape
+    wo = gather_experts(o_proj, idx).view(B * C, K * u, -1)  # (BC, K*u, d)
+    return torch.bmm((y * P[..., None]).reshape(B * C, 1, K * u), wo).view(B, C, -1)
 
 
 class RMSNorm(nn.Module):

@@ -16,6 +16,7 @@ from .generation import ShramGenerationMixin, default_compile_config
 from .layers import DecoderLayer, RMSNorm
 from .rope import RotaryTables, apply_rope
 from .routing import route
+from .validation import check_capacity, check_input_ids, check_mask
 
 
 @dataclass
@@ -33,33 +34,6 @@ class ShramModel(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_decoder_layers))
         self.norm = RMSNorm(config.embedding_width, config.rms_norm_eps)
-
-
-def check_input_ids(input_ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
-    """Raises TypeError/ValueError unless input_ids is an integer tensor with ids in [0, V)."""
-    if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
-    if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise TypeError(f"{name} must hold integer token ids (int64), got dtype {input_ids.dtype}")
-    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
-        bad = input_ids[(input_ids < 0) | (input_ids >= vocab_size)]
-        raise ValueError(f"{name} holds ids outside the vocabulary [0, {vocab_size}): "
-                         f"{bad[:8].tolist()}")
-
-
-def check_mask(mask: torch.Tensor | None, shape: torch.Size, name: str = "attention_mask") -> torch.Tensor | None:
-    """Validates a 0/1 mask of the given shape and returns it as bool (None stays None)."""
-    if mask is None:
-        return None
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
-    if mask.shape != shape:
-        raise ValueError(f"{name} must have the shape of the ids {tuple(shape)}, got {tuple(mask.shape)}")
-    if mask.dtype.is_floating_point or mask.dtype.is_complex:
-        raise TypeError(f"{name} must be bool or integer 0/1, got dtype {mask.dtype}")
-    if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError(f"{name} must hold only 0 and 1")
-    return mask.bool()
 
 
 class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
@@ -111,7 +85,7 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
         if self.lm_head is not None:
             return self.lm_head(h)
         # F.linear, not `x @ W.t()`: ExecuTorch delegates linear to XNNPACK but leaves a
-        # transposed mm on portable kernels (measured 26 vs 4.4 ms for a 50277x512 head), and
+        # transposed mm on portable kernels, several times slower (docs/performance.md), and
         # torchao's int8 flow quantizes only linear.
         return F.linear(h, self.embed_tokens.weight)
 
@@ -131,11 +105,13 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
             config: a `ShramConfig` to use instead of the directory's `config.json` (the Auto
                 classes pass the one they read, with any overrides applied).
             **kwargs: the options transformers' Auto classes pass on (`trust_remote_code`,
-                `revision`, `cache_dir`, ...; ignored for a local directory) and `subfolder`;
-                anything else is a TypeError.
+                `revision`, `cache_dir`, ...; ignored for a local directory), `subfolder`, and
+                `check_finite` (default True: a NaN or Inf in any tensor is a CheckpointError
+                naming it; False skips the check); anything else is a TypeError.
 
         Returns:
-            The model. Raises CheckpointError naming any missing, unexpected or misshapen key.
+            The model. Raises CheckpointError naming any missing, unexpected, misshapen or
+            non-finite key.
         """
         from .checkpoint import load_pretrained
         return load_pretrained(cls, path, dtype, config=config, **kwargs)
@@ -215,8 +191,6 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
         return CausalLMOutput(logits=logits, cache=cache)
 
     def _check_cache_call(self, input_ids, attention_mask, output_routing, cache) -> None:
-        from .host import CapacityError  # host imports this module
-
         if not isinstance(cache, ShramCache):
             raise TypeError(f"cache must be a shram_static.ShramCache, got {type(cache).__name__}")
         if output_routing:
@@ -227,11 +201,8 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
                              f"{tuple(input_ids.shape)}")
         live = check_mask(attention_mask, input_ids.shape)
         n_new = input_ids.shape[1] if live is None else live.long().sum(1).to(cache.device)
-        total = cache.live_counts + n_new
-        if bool((total > cache.capacity).any()):
-            raise CapacityError(f"rows {torch.nonzero(total > cache.capacity).flatten().tolist()} would hold "
-                                f"{int(total.max())} live tokens, more than the cache's capacity of "
-                                f"{cache.capacity} (inference_sequence_length)")
+        check_capacity(cache.live_counts + n_new, cache.capacity,
+                       advice="build the cache for a model with a larger inference_sequence_length")
 
     def _forward(self, ids: torch.Tensor, live: torch.Tensor, output_routing: bool, keep: int = 0) -> CausalLMOutput:
         cfg = self.config

@@ -1,16 +1,28 @@
 """Fixed-shape decoding state (SPEC B): every buffer allocated once, before any step runs.
 
-Per layer:
-- `taken (B, L)` bool: experts taken in the routing block that is open; a step reads it as
-  all False when the row's live count is a multiple of W, so it never needs clearing.
-- `local_k`, `local_v` `(B*H*(R+1), u)`: the local ring of R = window + prefill_chunk - 1
-  slots per (row, head) plus one write sink. Slot j holds the latest live position
-  q <= count-1 with q % R == j. R leaves room for a whole chunk: writing a chunk never
-  overwrites a key that a query of the same chunk still needs, so a step writes first and
-  then attends over the ring alone (decode and prefill are one code path).
+Per layer, with Nr the rollback limit (`rollback_limit`, at least prefill_chunk):
+- `routes` `(B*(N+1), K)` int64, N = Nr + W - 1 (W = L // K tokens per routing block): the
+  routing history. Row `b*(N+1) + q % N` holds the K experts position q selected (dead tokens
+  write the row's sink, row N). A step derives the experts taken in the open block at
+  input_pos p from rows p - p % W .. p - 1, all written by the current sequence (N >= W), so a
+  restart at position 0 needs no clearing.
+- `local_k`, `local_v` `(B*H*(R+1), u)`: the local ring of R = window + Nr - 1 slots per
+  (row, head) plus one write sink. Slot j holds the latest live position q <= count-1 with
+  q % R == j. R leaves room for a whole chunk: writing a chunk never overwrites a key that a
+  query of the same chunk still needs, so a step writes first and then attends over the ring
+  alone (decode and prefill are one code path).
 - `sparse_k`, `sparse_v` `(B*L*(T+1), u)` with T = mosrah_cache_length: per (row, expert)
   the keys (after RoPE) / values of the tokens routed there, in order, plus one write sink.
   Expert l of row b holds `count // W + taken[l]` tokens, so no count buffer is needed.
+
+Rollback (forgetting the last n tokens of a row) is `count -= n` on the host and nothing
+else, exact while n does not exceed what the row can undo (see `HostDecoder.rollback`):
+- the ring keeps the last R positions fed; after forgetting n <= Nr of them the window of
+  every later query (window - 1 keys back) is still there, and a slot holding a forgotten
+  position x claims position x - R, outside every later query's window;
+- the history keeps the last N routing rows: the open block's W - 1 rows survive n <= Nr;
+- a forgotten token's sparse slots lie past `count // W + taken` of its experts: masked,
+  then overwritten.
 
 Caches are stored flat (2-D) so each write is `index_put_` with ONE 1-D row index: the only
 form that stays in place and runs on every backend (ExecuTorch's in-place index_put rejects
@@ -26,16 +38,32 @@ from torch import nn
 
 from .config import ShramConfig
 
-LAYER_BUFFERS = ("taken", "local_k", "local_v", "sparse_k", "sparse_v")
+LAYER_BUFFERS = ("routes", "local_k", "local_v", "sparse_k", "sparse_v")
+
+
+def rollback_sizes(config: ShramConfig, prefill_chunk: int, rollback_limit: int | None = None) -> tuple[int, int, int]:
+    """(Nr, R, N): the rollback limit, ring slots and routing-history rows of a state.
+
+    Args:
+        config: model config.
+        prefill_chunk: C, the most tokens one step takes per row.
+        rollback_limit: tokens a row can forget at once; None or anything below C gives C (the
+            ring holds a whole chunk anyway).
+    """
+    if rollback_limit is not None and (isinstance(rollback_limit, bool) or not isinstance(rollback_limit, int)
+                                       or rollback_limit < 0):
+        raise ValueError(f"rollback_limit must be a non-negative int or None, got {rollback_limit!r}")
+    Nr = max(prefill_chunk, rollback_limit or 0)
+    return Nr, config.window_size + Nr - 1, Nr + config.block_length - 1
 
 
 class LayerState(nn.Module):
-    def __init__(self, config: ShramConfig, batch_size: int, ring: int, dtype: torch.dtype):
+    def __init__(self, config: ShramConfig, batch_size: int, ring: int, dtype: torch.dtype, history: int = 1):
         super().__init__()
         B, H, L, u = batch_size, config.num_sliding_window_heads, config.num_mosrah_heads, config.head_dim
-        T = config.mosrah_cache_length
+        T, K = config.mosrah_cache_length, config.num_selected_heads
         # Zeros, not empty: a masked slot holding NaN would still poison attention (0 * NaN).
-        self.register_buffer("taken", torch.zeros(B, L, dtype=torch.bool))
+        self.register_buffer("routes", torch.zeros(B * (history + 1), K, dtype=torch.long))
         self.register_buffer("local_k", torch.zeros(B * H * (ring + 1), u, dtype=dtype))
         self.register_buffer("local_v", torch.zeros(B * H * (ring + 1), u, dtype=dtype))
         self.register_buffer("sparse_k", torch.zeros(B * L * (T + 1), u, dtype=dtype))
@@ -51,16 +79,18 @@ class StaticState(nn.Module):
         prefill_chunk: C, the most tokens one step takes per row.
         dtype: cache dtype (the model's).
         device: where to allocate.
+        rollback_limit: Nr, the most tokens a row can forget at once (`rollback_sizes`;
+            default and minimum C). Larger limits grow the ring to window + Nr - 1 slots.
     """
 
     def __init__(self, config: ShramConfig, batch_size: int, prefill_chunk: int,
-                 dtype: torch.dtype = torch.float32, device=None):
+                 dtype: torch.dtype = torch.float32, device=None, rollback_limit: int | None = None):
         super().__init__()
         self.batch_size = batch_size
         self.prefill_chunk = prefill_chunk
-        self.ring = config.window_size + prefill_chunk - 1  # R
+        self.rollback_limit, self.ring, self.history = rollback_sizes(config, prefill_chunk, rollback_limit)  # Nr, R, N
         self.sparse_len = config.mosrah_cache_length  # T
-        self.layers = nn.ModuleList(LayerState(config, batch_size, self.ring, dtype)
+        self.layers = nn.ModuleList(LayerState(config, batch_size, self.ring, dtype, self.history)
                                     for _ in range(config.num_decoder_layers))
         if device is not None:
             self.to(device)
@@ -82,7 +112,7 @@ class StaticState(nn.Module):
 
         Every buffer is stored batch-major, so a `(B, -1)` view of it has one row per sequence.
         """
-        idx = beam_idx.to(device=self.layers[0].taken.device, dtype=torch.long)
+        idx = beam_idx.to(device=self.layers[0].routes.device, dtype=torch.long)
         for b in self.tensors():
             rows = b.view(self.batch_size, -1)
             rows.copy_(rows.index_select(0, idx))
@@ -94,11 +124,13 @@ class StaticState(nn.Module):
             b.zero_()
 
 
-def state_bytes(config: ShramConfig, batch_size: int, prefill_chunk: int, itemsize: int = 4) -> int:
-    """Closed-form state size (SPEC B): per layer B*L bools, a local ring
-    2*B*H*(window+C)*u and a sparse cache 2*B*L*(mosrah_cache_length+1)*u elements."""
+def state_bytes(config: ShramConfig, batch_size: int, prefill_chunk: int, itemsize: int = 4,
+                rollback_limit: int | None = None) -> int:
+    """Closed-form state size (SPEC B): per layer a routing history of B*(N+1)*K int64
+    (N = Nr + W - 1), a local ring 2*B*H*(window+Nr)*u and a sparse cache
+    2*B*L*(mosrah_cache_length+1)*u elements, Nr = max(prefill_chunk, rollback_limit)."""
     B, H, L, u = batch_size, config.num_sliding_window_heads, config.num_mosrah_heads, config.head_dim
-    R1 = config.window_size + prefill_chunk
+    _, R, N = rollback_sizes(config, prefill_chunk, rollback_limit)
     T1 = config.mosrah_cache_length + 1
-    per_layer = B * L + itemsize * (2 * B * H * R1 * u + 2 * B * L * T1 * u)
+    per_layer = 8 * B * (N + 1) * config.num_selected_heads + itemsize * (2 * B * H * (R + 1) * u + 2 * B * L * T1 * u)
     return config.num_decoder_layers * per_layer

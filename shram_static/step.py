@@ -40,8 +40,9 @@ class Shared(NamedTuple):
     local_seen: torch.Tensor  # (B, 1, C, 1) 1.0 where a query sees any ring slot
     main_cos: torch.Tensor | None  # (B, C, 1, u) sparse RoPE rows at token positions
     main_sin: torch.Tensor | None  # (main_sequence; None for semantic_sequence)
-    taken_open: torch.Tensor  # (B, 1) the carried routing block is still open
-    row_live: torch.Tensor  # (B, 1) the row has a live token in this step
+    hist_idx: torch.Tensor  # (B, W-1, K) history row (of the row's N+1) of positions input_pos-1 .. -(W-1)
+    hist_open: torch.Tensor  # (B, W-1, 1, 1) those positions lie in the open routing block
+    route_rows: torch.Tensor  # (B*C,) history row each token's routing goes to (dead tokens: the sink)
     blocks_done: torch.Tensor  # (B, 1) input_pos // W: tokens each expert held at closed blocks
     head_base: torch.Tensor  # (B, 1, 1) b * L, the row's first (b, l) cache head
     ar_l: torch.Tensor  # arange(L)
@@ -70,11 +71,12 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
 
     Args:
         model: `ShramForCausalLM`.
-        state: the state tensors in `StaticState.names()` order (5 per layer).
+        state: the state tensors in `StaticState.names()` order (5 per layer); the routing
+            history's rows give N (`StaticState.history`).
         tokens: (B, C) int64 ids (any value at dead tokens).
         input_pos: (B,) int64 live tokens each row has seen before this step.
         live: (B, C) bool, which tokens are live.
-        ring: R, slots of the local ring (window + prefill_chunk - 1); C must be <= R - window + 1.
+        ring: R, slots of the local ring (window + Nr - 1); C must be <= R - window + 1.
         inplace: mutate `state` (True) or return new tensors (False).
 
     Returns:
@@ -89,6 +91,9 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
                 model.rope.sparse_factor / math.sqrt(u), inplace)
     if cfg.inference_sequence_length >= 2 ** 24:  # slot numbers are compared in float32 (`slot_bias`)
         raise ValueError(f"inference_sequence_length must be below 2**24, got {cfg.inference_sequence_length}")
+    if C > R - Wn + 1:
+        raise ValueError(f"a step of {C} tokens needs a ring of at least window + {C} - 1 slots, got {R}")
+    N = state[0].shape[0] // B - 1  # routing-history rows per batch row
     dev = tokens.device
     ar_b = torch.arange(B, device=dev)
 
@@ -109,13 +114,23 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
     x = model.embed_tokens(tokens)  # (B, C, d)
     dtype = x.dtype  # the embedding may be a quantized table (export.quantize): no .weight
     ar_t = torch.arange(T + 1, device=dev)
+    # Routing history: the open block's earlier tokens are positions input_pos - i, i = 1..W-1,
+    # those with i <= input_pos % W (a closed block's row is read, then masked). WHY + N and not
+    # remainder of a negative number: ExecuTorch's lowered remainder gave -1 there (an index out
+    # of range); the operand is >= 0 since N >= W - 1.
+    ar_h = torch.arange(1, W, device=dev)  # (W-1,)
+    K = cfg.num_selected_heads
+    hist_idx = (((input_pos[:, None] - ar_h + N) % N)[:, :, None]
+                + torch.zeros(K, dtype=torch.long, device=dev))  # (B, W-1, K), for gather
+    hist_open = (ar_h <= (input_pos % W)[:, None])[:, :, None, None]  # (B, W-1, 1, 1)
+    route_rows = (ar_b[:, None] * (N + 1) + torch.where(live, pos % N, N)).reshape(-1)  # (B*C,)
     main_cos = main_sin = None
     if cfg.rope_mode == "main_sequence":
         main_cos, main_sin = model.rope.sparse(pos[..., None])  # (B, C, 1, u)
     sh = Shared(live, input_pos, cos_l[:, None], sin_l[:, None], ring_rows,
                 attention_bias(local_mask, dtype), local_mask.any(-1, keepdim=True).to(dtype),
-                main_cos, main_sin, (input_pos % W != 0)[:, None], live.any(1, keepdim=True),
-                (input_pos // W)[:, None], (ar_b * L)[:, None, None], torch.arange(L, device=dev),
+                main_cos, main_sin, hist_idx, hist_open, route_rows, (input_pos // W)[:, None],
+                (ar_b * L)[:, None, None], torch.arange(L, device=dev),
                 torch.where(ar_t < T, ar_t, 2 ** 24).float())
 
     # WHY the per-layer function is a nested compile region under torch.compile: Inductor then
@@ -147,14 +162,16 @@ def _layer_step(layer, rope, x: torch.Tensor, *flat):
     returning them would alias an output to an input, which a nested compile region rejects).
     """
     n = 5 + len(Shared._fields)
-    taken, lk, lv, sk, sv = flat[:5]
+    routes, lk, lv, sk, sv = flat[:5]
     sh, dims = Shared(*flat[5:n]), Dims(*flat[n:])
     B, C, H, L, K, u, R, T, local_scale, sparse_scale, inplace = dims
     live, input_pos = sh.live, sh.input_pos
+    W = L // K  # tokens per routing block
+    N = routes.shape[0] // B - 1  # routing-history rows per batch row
     routing = []
 
     def attn(h: torch.Tensor) -> torch.Tensor:
-        nonlocal taken, lk, lv, sk, sv
+        nonlocal routes, lk, lv, sk, sv
         # Local path: write the chunk into the ring, then attend over the ring alone.
         la = layer.attention.local_attention
         q, k, v = la.qkv(h)  # (B, H, C, u)
@@ -168,12 +185,20 @@ def _layer_step(layer, rope, x: torch.Tensor, *flat):
         # Sparse path: route, then touch only the K selected experts of each token.
         sa = layer.attention.sparse_attention
         bea = sa.bea
-        # Every read of the old `taken` feeds the new `taken`, so an onnxruntime output
-        # aliased to this input is written only after all reads.
-        taken_eff = taken & sh.taken_open  # (B, L)
-        idx, P, taken_new = route(h, sa.router.routing_weight, live, input_pos, taken_eff, K)
+        # Experts taken in the open block, from the history. The read rows are disjoint from
+        # the rows this step writes (N >= C + W - 1), and every read feeds the write, so an
+        # onnxruntime output aliased to this input is written only after all reads.
+        if W > 1:
+            # gather, not index_select: a row's few history rows, with no op that the .pte's
+            # graph checks flag as a cache gathered per query
+            prev = routes.view(B, N + 1, K).gather(1, sh.hist_idx)[..., None]  # (B, W-1, K, 1)
+            taken = ((prev == sh.ar_l) & sh.hist_open).view(B, (W - 1) * K, L).any(1)  # (B, L)
+        else:  # one token per block: nothing is ever taken
+            taken = torch.zeros(B, L, dtype=torch.bool, device=h.device)
+        idx, P, _ = route(h, sa.router.routing_weight, live, input_pos, taken, K)
+        routes = _write(routes, sh.route_rows, idx.reshape(B * C, K), inplace)
         routing.append(torch.where(live[..., None], idx, -1))
-        held = (sh.blocks_done + taken_eff.long())[:, None, :]  # (B, 1, L) tokens per expert
+        held = (sh.blocks_done + taken.long())[:, None, :]  # (B, 1, L) tokens per expert
         hot = None
         if C > 1:  # plus earlier tokens of the chunk (a static shape: there are none at decode)
             chosen = idx.view(B, C, K, 1) == sh.ar_l  # (B, C, K, L), made once per layer
@@ -200,16 +225,13 @@ def _layer_step(layer, rope, x: torch.Tensor, *flat):
             vc = sv.view(B * L, T + 1, u).index_select(0, hsel).view(B, C, K, T + 1, u)
             bias = slot_bias(slot[..., None], sh.slots, qs.dtype)[..., None, :]  # (B, C, K, 1, T+1)
             ys = masked_attention(qs[..., None, :], kc, vc, bias, sparse_scale)[..., 0, :]
-        # A row with no live token keeps its state bit for bit (not just equivalently).
-        taken_new = (taken_new & sh.row_live) | (taken & ~sh.row_live)
-        taken = taken_new if not inplace else taken.copy_(taken_new)
         return y + bea.output(ys, P, pick)  # (B, C, d)
 
     x = layer(x, attn)
     # A flat tuple of tensors: Dynamo reuses a nested region's first trace for the other
     # layers only when its output holds nothing but tensors (a nested `()` made it re-trace
     # every layer).
-    return (x, routing[0]) if inplace else (x, routing[0], taken, lk, lv, sk, sv)
+    return (x, routing[0]) if inplace else (x, routing[0], routes, lk, lv, sk, sv)
 
 
 _nested_layer_step = torch.compiler.nested_compile_region(_layer_step)

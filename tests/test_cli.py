@@ -62,7 +62,7 @@ def test_installed_entry_point_exits_2_on_error(tmp_path):
     """The `shram-static` console script that `pip install -e .` puts on PATH, on a missing
     checkpoint: exit status 2, the progress line and one `error:` line, no traceback, nothing
     logged by third-party imports. (Its success path is the same `main`: test_module_generate
-    runs it through `python -m shram_static`; one interpreter start per test is ~10 s here.)"""
+    runs it through `python -m shram_static`; an interpreter start per test costs seconds.)"""
     exe = shutil.which("shram-static")
     assert exe is not None, "shram-static is not on PATH: the package's console script did not install"
     r = _run(exe, "generate", "--prompt", "Hello", "--checkpoint", str(tmp_path / "missing"))
@@ -182,7 +182,7 @@ def test_export_onnx_command_writes_loadable_artifacts(tmp_path, capsys):
     """`shram-static export --format onnx --decode-only` writes the decode graph, its data and
     tokenizer.json (no prefill graph); the loaded graph generates what StaticDecoder generates.
     On the test-local tiny model (the shape of the first built-in model): exporting the trained
-    built-in model (4 layers, capacity 1024) takes minutes on 2 busy cores. Both graphs of an
+    built-in model (4 layers, capacity 1024) takes minutes on 2 cores. Both graphs of an
     ONNX export: tests/test_export_onnx.py."""
     from helpers import tiny_model
 

@@ -13,6 +13,7 @@ from torch._inductor import cpu_vec_isa
 import shram_static.decoder as decoder_mod
 from helpers import random_config, randomize_
 from shram_static import ShramForCausalLM, StaticDecoder, cpu_isa
+from shram_static.accelerators import enabled
 from shram_static.cpu_isa import start_isa_checks
 
 # Inductor's own list, uncached (taken at collection, before any test installs the checks).
@@ -42,20 +43,23 @@ class FakeIsa:
 @pytest.fixture
 def fakes(monkeypatch):
     """The CPU 'has' AMX (whose check fails here), AVX-512 and AVX2, and lacks NEON; Inductor
-    undecided, with its own (cached) list function, as in a fresh process."""
+    undecided, with its own (cached) list function, as in a fresh process. Inductor's settings
+    through its own `config.patch` (a monkeypatched config entry is lost on undo under pytest
+    9.2, and every later compile in the process fails)."""
     if platform.machine() not in ("x86_64", "AMD64") or sys.platform not in ("linux", "win32"):
         pytest.skip("Inductor checks ISAs this way on x86-64 Linux and Windows only")
+    if not enabled("isa_check_ahead"):
+        pytest.skip("the accelerator isa_check_ahead is off here (torch version or SHRAM_STATIC_STOCK)")
     seen, gate = [], threading.Event()
     isas = [FakeIsa("avx512 amx_tile", False, gate, seen), FakeIsa("avx512", True, gate, seen),
             FakeIsa("avx2", True, gate, seen, 256), FakeIsa("neon", True, gate, seen, 128)]
     monkeypatch.setattr(cpu_vec_isa, "supported_vec_isa_list", isas)
     monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker", lambda: ["avx512", "amx_tile", "avx2"])
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", functools.cache(INDUCTORS))
-    monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", None)
-    monkeypatch.setattr(torch._inductor.config.cpp, "simdlen", None)
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     monkeypatch.setattr(cpu_isa, "_started", None)  # no checks started in this process yet
-    return isas, seen, gate
+    with torch._inductor.config.patch({"cpp.vec_isa_ok": None, "cpp.simdlen": None}):
+        yield isas, seen, gate
 
 
 def _inductors_pick(isas):
@@ -98,24 +102,23 @@ def test_settings_that_use_the_full_list_get_inductors_list(fakes, monkeypatch, 
         assert str(cpu_vec_isa.pick_vec_isa()) == "avx512"
     # Set after the start (and after a first compile, or before any): the full list, checked
     # by Inductor itself, and its pick.
-    if setting == "simdlen":
-        monkeypatch.setattr(torch._inductor.config.cpp, "simdlen", 256)
-    else:
+    simdlen = 256 if setting == "simdlen" else None
+    if setting == "capability":
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
-    assert cpu_vec_isa.valid_vec_isa_list() == [isas[1], isas[2]]
-    assert str(cpu_vec_isa.pick_vec_isa()) == "avx2"
-    # The same setting before the start: nothing is started or replaced.
-    monkeypatch.setattr(cpu_isa, "_started", None)
-    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", functools.cache(INDUCTORS))
-    assert start_isa_checks() is None
-    assert cpu_vec_isa.valid_vec_isa_list.__wrapped__ is INDUCTORS
+    with torch._inductor.config.patch({"cpp.simdlen": simdlen}):
+        assert cpu_vec_isa.valid_vec_isa_list() == [isas[1], isas[2]]
+        assert str(cpu_vec_isa.pick_vec_isa()) == "avx2"
+        # The same setting before the start: nothing is started or replaced.
+        monkeypatch.setattr(cpu_isa, "_started", None)
+        monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", functools.cache(INDUCTORS))
+        assert start_isa_checks() is None
+        assert cpu_vec_isa.valid_vec_isa_list.__wrapped__ is INDUCTORS
 
 
 def test_nothing_started_when_inductor_needs_no_check(fakes, monkeypatch):
     isas, seen, gate = fakes
-    monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", True)  # the user's override
-    assert start_isa_checks() is None
-    monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", None)
+    with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):  # the user's override
+        assert start_isa_checks() is None
     gate.set()
     cpu_vec_isa.valid_vec_isa_list()  # decided already in this process
     seen.clear()

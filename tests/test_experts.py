@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers import random_model
-from shram_static.experts import FusedExperts, fuse_experts_
+from shram_static.fast_layers import FusedExperts, fuse_experts_
 from shram_static.export.pte import export_copy
 from shram_static.layers import BEA
 

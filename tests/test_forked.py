@@ -39,6 +39,17 @@ def test_one_process_when_not_parallel_or_a_single_job():
     assert run_jobs({"a": os.getpid}, _tag, _untag) == {"a": here}
 
 
+def test_one_process_when_the_encoders_accelerator_is_off(monkeypatch):
+    """An encoder marked with an accelerator (the edge-program transfer, on ExecuTorch
+    internals) is used only where that accelerator is on (shram_static/accelerators.py)."""
+    def tag(value):
+        return ("sent", value)
+    tag.accelerator = "parallel_lowering"
+    monkeypatch.setenv("SHRAM_STATIC_STOCK", "parallel_lowering")
+    here = os.getpid()
+    assert run_jobs({"a": os.getpid, "b": os.getpid}, tag, _untag) == {"a": here, "b": here}
+
+
 @needs_fork
 def test_a_failing_child_is_run_again_here_with_a_warning():
     here = os.getpid()

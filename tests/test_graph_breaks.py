@@ -77,7 +77,7 @@ def test_compiled_steps_never_recompile_and_match_eager(model, B):
     comp = StaticDecoder(model, batch_size=B, prefill_chunk=C, compile=True, skip_guards=B == 1)
     if B == 1:
         # Batch 1 differs from batch 2 in the decode step only (its Inductor options), so
-        # its prefill step runs eager: one cold Inductor compile (~25 s here) fewer in CI.
+        # its prefill step runs eager: one cold Inductor compile fewer in CI.
         comp.prefill_step = comp._prefill_step
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (B, 3 * C), generator=gen)
@@ -128,9 +128,12 @@ def test_compiled_steps_never_recompile_and_match_eager(model, B):
     if B == 1:  # Dynamo's caches cleared under a decoder that skips guards: it compiles again
         torch._dynamo.reset()
         torch.testing.assert_close(comp.decode(tok), eager.decode(tok), atol=1e-4, rtol=1e-4)
-    for a, b in zip(comp.state.tensors(), eager.state.tensors()):
-        if a.dtype == torch.bool:
-            assert torch.equal(a, b)
+    # The routing history is integer state: exactly equal outside its write-sink rows.
+    st = comp.state
+    for name, a, b in zip(st.names(), st.tensors(), eager.state.tensors()):
+        if name.endswith("routes"):
+            a, b = (t.view(B, st.history + 1, -1)[:, :st.history] for t in (a, b))
+            assert torch.equal(a, b), name
 
 
 def check_guard_skipping(comp, eager, tok):

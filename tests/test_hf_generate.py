@@ -264,24 +264,42 @@ def test_eager_cached_forward_rejects_bad_input_with_cache_unchanged():
     assert _unchanged(cache, snap)
 
 
-def test_rollback_modes_and_foreign_caches_rejected_up_front():
+def test_prompt_lookup_and_assisted_generation_equal_uncached_greedy():
+    """transformers' prompt-lookup and assisted decoding (a smaller SHRAM draft, same vocabulary)
+    crop the ShramCache after rejected drafts; their tokens are the uncached greedy ones."""
+    model = random_model(21, training_sequence_length=64, inference_sequence_length=64)
+    draft = random_model(23, vocab_size=model.config.vocab_size, num_decoder_layers=1,
+                         training_sequence_length=64, inference_sequence_length=64)
+    ids = random_ids(model.config, 1, 12, seed=14)
+    ids = torch.cat([ids, ids[:, :5]], 1)  # the opening again: prompt lookup finds matches
+    want = model.generate(ids, max_new_tokens=24, do_sample=False, use_cache=False)
+    cache = ShramCache(model.config, 1, prefill_chunk=4, rollback_limit=6)
+    got = model.generate(ids, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=5, cache=cache)
+    assert torch.equal(got, want)
+    assert int(cache.live_counts) == want.shape[1] - 1  # the last token is never fed
+    assert torch.equal(model.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=draft), want)
+
+
+def test_foreign_caches_and_bad_crops_rejected_up_front():
     model = random_model(21)
     ids = random_ids(model.config, 1, 6, seed=14)
-    cache = ShramCache(model.config, 1)
-    snap = _snapshot(cache)
-    with pytest.raises(ValueError, match="assisted_generation.*roll"):
-        model.generate(ids, max_new_tokens=4, prompt_lookup_num_tokens=2, cache=cache)
-    with pytest.raises(ValueError, match="assisted_generation"):
-        model.generate(ids, max_new_tokens=4, assistant_model=model, cache=cache)
-    assert _unchanged(cache, snap)
+    cache = ShramCache(model.config, 1, prefill_chunk=4)
     with pytest.raises(ValueError, match="ShramCache"):
         model.generate(ids, max_new_tokens=4, cache=DynamicCache())
     with pytest.raises(ValueError, match="batch_size=1"):
         model.generate(ids.repeat(2, 1), max_new_tokens=4, cache=cache)
     with pytest.raises(ValueError, match="cache_implementation"):
         model.generate(ids, max_new_tokens=4, cache_implementation="static")
-    with pytest.raises(ValueError, match="cannot be rolled back"):
-        cache.crop(-1)
+    with pytest.raises(ValueError, match="cannot crop 1 tokens"):
+        cache.crop(-1)  # nothing fed yet
+    model(ids, cache=cache)
+    snap = _snapshot(cache)
+    for n, words in ((-5, "at most 4"), (2, "negative")):
+        with pytest.raises(ValueError, match=words):
+            cache.crop(n)
+    assert _unchanged(cache, snap)
+    cache.crop(-4)
+    assert int(cache.live_counts) == 2 and cache.get_seq_length() == 2
 
 
 # -- compiled generate: one tiny model compiled once for the tests below ------------------
@@ -320,7 +338,7 @@ def test_compiled_generate_never_recompiles_and_matches_eager(compiled):
 
 def test_compiled_generate_builds_its_kernels_a_few_files_at_a_time(compiled):
     """generate()'s compiled forward builds its graph's C++ kernels as at most compile_threads
-    files (kernel_builds.py): one g++ run per kernel made a cold first call ~20 s slower."""
+    files (kernel_builds.py), not one g++ run per kernel."""
     model, _, _, batches = compiled
     assert model.get_compiled_call(model.generation_config.compile_config) is \
         model.get_compiled_call(model.generation_config.compile_config)  # one wrapper, kept

@@ -2,7 +2,8 @@
 and the XNNPACK pass filter drops a pass only when the partition holds nothing it rewrites.
 
 That the lowered programs stay right is checked by running them (tests/test_export_pte.py:
-golden logits and tokens through every `.pte`).
+golden logits and tokens through every `.pte`), and a golden model's program is compared with
+the stock lowering's byte for byte in tests/test_accelerators.py.
 """
 
 import contextlib
@@ -16,6 +17,20 @@ import pytest
 import torch
 
 from helpers import counting_traces
+from shram_static.accelerators import enabled
+
+
+# Every accelerator `lowering_speedups` applies (shram_static/accelerators.py).
+LOWERING = ("one_trace_lowering", "needed_xnnpack_passes", "needed_edge_passes", "one_edge_conversion_trace",
+            "delegate_outputs_from_metadata", "linear_partitioning", "shared_provenance", "lazy_recompiles",
+            "cached_type_hints", "mutable_buffers_listed_once")
+
+
+def needs(*names):
+    """Skips a test of accelerators that are off here (another release, SHRAM_STATIC_STOCK):
+    where they are off, the stock path runs and there is nothing of theirs to test."""
+    off = [n for n in names if not enabled(n)]
+    return pytest.mark.skipif(bool(off), reason=f"accelerators off here: {', '.join(off)}")
 
 
 def _graph(*calls) -> torch.fx.GraphModule:
@@ -70,6 +85,7 @@ def test_pass_filter_keeps_what_can_apply():
     assert "ConstPropPass" in [p.__name__ for p in needed_xnnpack_passes(full, default)]
 
 
+@needs('needed_xnnpack_passes')
 def test_pass_filter_is_scoped():
     from executorch.backends.xnnpack._passes import XNNPACKPassManager
     from executorch.exir.dialects._ops import ops as exir_ops
@@ -84,6 +100,7 @@ def test_pass_filter_is_scoped():
     assert XNNPACKPassManager(ep).passes == default
 
 
+@needs('shared_provenance')
 def test_shared_provenance_is_scoped():
     """NodeSource deep copies are shared inside the block only."""
     from torch.fx.traceback import NodeSource
@@ -96,6 +113,7 @@ def test_shared_provenance_is_scoped():
     assert copy.deepcopy(ns) is not ns and "__deepcopy__" not in NodeSource.__dict__
 
 
+@needs('lazy_recompiles')
 def test_lazy_recompiles_generate_the_code_of_the_current_graph():
     """In the block a recompile generates no code until the module runs or its code is read,
     then the code of its graph as it is; on leaving, every pending module is recompiled and
@@ -132,6 +150,7 @@ def test_lazy_recompiles_generate_the_code_of_the_current_graph():
     assert "a * 1.0" in pending._code and torch.equal(pending(x), x * 1.0)
 
 
+@needs('cached_type_hints')
 def test_cached_type_hints_write_the_same_json():
     """ExecuTorch's dataclass encoder writes the same JSON with a class's type hints looked up
     once; restored after."""
@@ -154,6 +173,7 @@ def test_cached_type_hints_write_the_same_json():
     assert _dataclass.get_type_hints is hints and "val_type" in want
 
 
+@needs('mutable_buffers_listed_once')
 def test_mutable_buffers_listed_once_answers_as_executorch():
     """During memory planning, whether a node is a mutated state buffer is answered from one
     listing per signature, as ExecuTorch's own check answers it for every node it asks about
@@ -214,6 +234,7 @@ def onnx_step():
 
 
 @pytest.mark.heavy
+@needs('skip_onnx_slices_split')
 def test_onnx_rule_skip_keeps_the_optimized_graph(onnx_step):
     """Without the skipped rewrite rules the exporter's optimizer makes the same graph (op for
     op) from a SHRAM step; the rules come back after."""
@@ -242,6 +263,7 @@ def test_onnx_rule_skip_keeps_the_optimized_graph(onnx_step):
     assert rewriter._DEFAULT_REWRITE_RULES is rules
 
 
+@needs('one_trace_onnx_export')
 def test_onnx_export_in_one_trace_gives_the_exporters_graph(onnx_step):
     """`onnx_decomposed` hands the ONNX exporter a program exported and decomposed in one trace:
     the graph is the exporter's own (`onnx_step`), node for node (ops, attributes, weights,
@@ -418,6 +440,7 @@ def _lower(fast: bool, calls: list | None = None, passes: list | None = None,
 
 
 @pytest.mark.heavy
+@needs(*LOWERING)
 def test_lowering_speedups_give_the_stock_program(caplog):
     """One trace per method for export and decomposition, gated edge and XNNPACK passes, one
     trace for the per-op edge conversions, delegate outputs from metadata and linear-time
@@ -501,6 +524,7 @@ def test_view_ops_to_copies_in_place_is_torchs_pass():
         assert _targets(gm) == _targets(before)
 
 
+@needs('one_trace_lowering')
 def test_lowering_falls_back_when_a_kept_op_is_rejected(monkeypatch):
     """If the partitioner would reject an op it asked to keep whole, the stock call runs, on
     the methods exported by `torch.export`, the caller's partitioner, config (not the extended
@@ -536,6 +560,7 @@ def test_lowering_falls_back_when_a_kept_op_is_rejected(monkeypatch):
         assert [str(n.target) for n in ep.graph.nodes] == [str(n.target) for n in want[name].graph.nodes]
 
 
+@needs('needed_edge_passes')
 def test_edge_pass_gates():
     """Each gated edge pass runs when a node it rewrites is present, and the stock pass lists
     come back after the block."""
@@ -574,6 +599,7 @@ def test_edge_pass_gates():
     assert (_program._get_aten_to_edge_passes, _program.edge_to_executorch_passes) == (get, to_et)
 
 
+@needs('linear_partitioning')
 def test_legalize_order_is_torchs():
     """`faster_partitioning` orders nodes as torch's `legalize_graph` does (it is not a stable
     sort, so the in-place version must reproduce its order exactly), and is scoped."""
@@ -626,6 +652,7 @@ def _without_offsets(buffer: bytes):
     return pte
 
 
+@needs(*LOWERING)
 def test_a_method_lowered_elsewhere_emits_the_same_program():
     """A lowered method sent as `edge_program_to_value`, pickled and rebuilt by
     `edge_program_from_value` (what `lower_program(parallel=True)` does with the method lowered

@@ -243,6 +243,8 @@ def readable(dec, tensors):
             t = t.view(B, H, st.ring + 1, u)[:, :, :st.ring]
         elif name.endswith(("sparse_k", "sparse_v")):
             t = t.view(B, L, st.sparse_len + 1, u)[:, :, :st.sparse_len]
+        elif name.endswith("routes"):
+            t = t.view(B, st.history + 1, -1)[:, :st.history]
         out.append(t)
     return out
 
@@ -252,11 +254,16 @@ def test_state_bytes_match_formula_and_never_grow():
     cfg = random_config(8, training_sequence_length=40, inference_sequence_length=40)
     B, C = 2, 3
     model = randomize_(ShramForCausalLM(cfg), 8)
-    dec = StaticDecoder(model, batch_size=B, prefill_chunk=C)
-    H, L, u, n = cfg.num_sliding_window_heads, cfg.num_mosrah_heads, cfg.head_dim, cfg.num_decoder_layers
-    ring, T = cfg.window_size + C - 1, cfg.mosrah_cache_length
-    by_hand = n * (B * L + 4 * (2 * B * H * (ring + 1) * u + 2 * B * L * (T + 1) * u))
+    dec = StaticDecoder(model, batch_size=B, prefill_chunk=C, verify_len=None)
+    H, L, K, u, n = (cfg.num_sliding_window_heads, cfg.num_mosrah_heads, cfg.num_selected_heads,
+                     cfg.head_dim, cfg.num_decoder_layers)
+    ring, T, hist = cfg.window_size + C - 1, cfg.mosrah_cache_length, C + cfg.block_length - 1
+    by_hand = n * (8 * B * (hist + 1) * K + 4 * (2 * B * H * (ring + 1) * u + 2 * B * L * (T + 1) * u))
     assert dec.state.nbytes() == state_bytes(cfg, B, C) == by_hand
+    # A rollback limit above C grows the ring and the routing history by the difference.
+    more = by_hand + n * (8 * B * 2 * K + 4 * 2 * B * H * 2 * u)
+    assert StaticDecoder(model, batch_size=B, prefill_chunk=C, verify_len=5).state.nbytes() == more
+    assert state_bytes(cfg, B, C, rollback_limit=5) == more
     before = [(name, t.data_ptr(), tuple(t.shape)) for name, t in dec.state.named_buffers()]
     ids, mask = random_batch(cfg, B, 40, 8)
     dec.prefill(ids[:, :25], mask[:, :25])

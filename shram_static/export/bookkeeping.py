@@ -8,6 +8,8 @@ import functools
 import typing
 import weakref
 
+from ..accelerators import enabled
+
 
 @contextlib.contextmanager
 def shared_provenance():
@@ -16,11 +18,14 @@ def shared_provenance():
     WHY: every pass that re-creates a node records a NodeSource holding a deep copy of the old
     node's whole provenance chain, and lowering runs ~80 passes, so the copies grow with every
     pass (quadratic; `drop_provenance` cannot help, the chains regrow inside lowering).
-    Measured on the tiny test model, decode only: 39-45 s with sharing against 55 s without.
     A NodeSource is never mutated after construction (torch 2.13: only its constructor and
     deserializer assign its fields; the per-node `from_node` lists stay distinct copies), so
-    sharing records the same provenance. Restored on exit; torch is pinned (pyproject.toml).
+    sharing records the same provenance. Restored on exit;
+    runs only on the releases it was verified on (shram_static/accelerators.py).
     """
+    if not enabled("shared_provenance"):  # off: the stock path
+        yield
+        return
     from torch.fx.traceback import NodeSource
 
     missing = object()
@@ -44,8 +49,8 @@ def lazy_recompiles():
 
     WHY: ExecuTorch's and XNNPACK's passes recompile after every change, and ExecuTorch's pass
     manager again around every pass (to lint it), but lowering runs graphs through
-    interpreters, never through their generated code: 1162 recompiles took 17.4 of the 92.5 s
-    of a profiled built-in `.pte` lowering (`Graph.python_code` 14.5 s). torch's own
+    interpreters, never through their generated code (`Graph.python_code` was a large share of
+    a profiled lowering: docs/performance.md). torch's own
     `_LazyGraphModule` (what Inductor uses) does this, but only for modules made through
     `torch.fx._lazy_graph_module._make_graph_module`; ExecuTorch makes plain GraphModules.
     As there, the lazy `forward` recompiles on its first call, so a module that is run gets
@@ -53,6 +58,9 @@ def lazy_recompiles():
     recompiled, so nothing outside it sees a stale one. Inside the block `recompile()` returns
     a stand-in that generates the `PythonCode` when a caller reads it.
     """
+    if not enabled("lazy_recompiles"):  # off: the stock path
+        yield
+        return
     from torch.fx import GraphModule
     from torch.fx.graph import _PyTreeCodeGen
 
@@ -112,9 +120,12 @@ def cached_type_hints():
     once, not once per field of every object.
 
     WHY: `_DataclassEncoder.default` calls `typing.get_type_hints(type(o))` for every field it
-    writes: 33122 calls, 4.4 of the 69.7 s of a profiled built-in `.pte` lowering. A class's
+    writes, tens of thousands of calls for one program. A class's
     hints do not change while it is being written; the JSON is the same.
     """
+    if not enabled("cached_type_hints"):  # off: the stock path
+        yield
+        return
     from executorch.exir._serialize import _dataclass
 
     hints = _dataclass.get_type_hints
@@ -131,16 +142,19 @@ def mutable_buffers_listed_once():
     placeholders are mutated state buffers once per graph signature, not once per node it asks
     about.
 
-    WHY: executorch 1.4.1's `memory_planning._is_mutable_buffer` reads the signature's
+    WHY: ExecuTorch's `memory_planning._is_mutable_buffer` (1.4-1.5) reads the signature's
     `inputs_to_buffers` and `buffers_to_mutate`, properties that build a dict over every input
     (output) on each read, for every node planning visits: 4550 calls for the built-in `.pte`
-    (1.4 of the 11.4 s of its profiled `to_executorch`), 20024 property reads and 3.2 s of the
-    41 s serial lowering of the bench model's decode method. The answer depends only on the
+    (thousands of calls per method). The answer depends only on the
     signature, which planning reads and never changes, so during one `MemoryPlanningPass.run`
     the set of mutated buffers' placeholder names is built once per signature and the same
     question is answered from it; outside a run the stock function answers. Both are read when
-    called, so they are swapped for the block only; executorch is pinned (pyproject.toml).
+    called, so they are swapped for the block only;
+    runs only on the releases it was verified on (shram_static/accelerators.py).
     """
+    if not enabled("mutable_buffers_listed_once"):  # off: the stock path
+        yield
+        return
     from executorch.exir import memory_planning
     from executorch.exir.passes.memory_planning_pass import MemoryPlanningPass
 

@@ -8,14 +8,16 @@ import functools
 
 import torch
 
+from ..accelerators import enabled
+
 
 def drop_provenance(ep) -> None:
     """Deletes the `from_node` provenance of every node of an exported program, in place.
 
     WHY: torch.fx records, on every node a pass creates, a deep copy of the whole provenance
     chain of the node it came from, so each of lowering's hundreds of passes copies chains that
-    grow with every pass (profile of the built-in model: 62 of 291 s in `copy.deepcopy` under
-    `fx.traceback.NodeSource`). Provenance is debugging metadata; the program does not change.
+    grow with every pass (`copy.deepcopy` under `fx.traceback.NodeSource` was a large share of
+    a profiled lowering). Provenance is debugging metadata; the program does not change.
     """
     for node in ep.graph.nodes:
         node.meta.pop("from_node", None)
@@ -40,14 +42,15 @@ def export_decomposed(mod: torch.nn.Module, args: tuple, decompositions: dict):
     trace: the module traced straight to functional ATen with `decompositions` applied.
 
     WHY: the public flow traces the module to the training IR, then `run_decompositions`
-    traces that whole graph again (2.7 of the 5.0 s of the built-in model's decode method
-    before its conversion to edge). This is what that second trace runs (torch 2.13's
+    traces that whole graph again (about half of a method's time before its conversion to
+    edge). This is what that second trace runs (torch 2.13's
     `_decompose_and_get_gm_with_new_signature_constants`: `_export_to_aten_ir` with the
     non-CIA decompositions, under `_override_composite_implicit_decomp` for the CIA ones), run
     by torch.export's own non-pre-dispatch path (`_export(pre_dispatch=False)`, what
     `torch.export.export` ran before the training IR) on the module itself, followed by the
-    same removal of the redundant `copy` that a buffer mutation leaves at the output. torch is
-    pinned (pyproject.toml); tests/test_lowering.py checks the lowered bytes against ExecuTorch's
+    same removal of the redundant `copy` that a buffer mutation leaves at the output. Part of
+    the accelerator `one_trace_lowering` (shram_static/accelerators.py: `export_and_lower` calls it
+    only where that is on); tests/test_lowering.py checks the lowered bytes against ExecuTorch's
     stock call. A module holding tensor subclasses (torchao's quantized weights) takes the
     public flow's two traces.
 
@@ -92,7 +95,7 @@ def export_decomposed(mod: torch.nn.Module, args: tuple, decompositions: dict):
 @functools.cache
 def _onnx_decompositions(opset: int) -> tuple[frozenset, dict]:
     """The ONNX exporter's decomposition table for its registry at `opset` (built once per
-    opset: ~1 s), with the op set it was made from."""
+    opset), with the op set it was made from."""
     from torch.onnx._internal.exporter import _decomp, _registration
 
     ops = frozenset(_decomp.get_onnx_implemented_overloads(_registration.ONNXRegistry.from_torchlib(opset)))
@@ -107,12 +110,10 @@ def onnx_decomposed(mod: torch.nn.Module, args: tuple, opset: int):
     that program through.
 
     WHY: given a module, the exporter runs `torch.export.export` and then `run_decompositions`
-    (`_fx_passes.decompose_with_registry`), two traces of the graph (5.0 of the 14.3 s of the
-    built-in model's two-graph export were the second). The table must be made for the
+    (`_fx_passes.decompose_with_registry`), two traces of the graph. The table must be made for the
     opset the export targets (the registry keeps `aten.rms_norm` whole from opset 23 on).
     Should the exporter's registry implement other ops than the one this table was made from,
-    it decomposes the program itself, as it would have (a bench-model export at opset 23 with
-    the opset-18 table: 31 s instead of 19 s in `torch.onnx.export`). The capture is the exporter's first strategy's
+    it decomposes the program itself, as it would have. The capture is the exporter's first strategy's
     (non-strict, `backed_size_oblivious`); the ONNX graphs are checked against the exporter's
     own in tests/test_lowering.py.
 
@@ -122,10 +123,14 @@ def onnx_decomposed(mod: torch.nn.Module, args: tuple, opset: int):
         opset: the `opset_version` the `torch.onnx.export` call in the block passes.
 
     Yields:
-        The decomposed `ExportedProgram`.
+        The decomposed `ExportedProgram`; `mod` itself where the accelerator
+        `one_trace_onnx_export` is off.
     """
     from torch.onnx._internal.exporter import _decomp, _fx_passes
 
+    if not enabled("one_trace_onnx_export"):  # the stock path: the exporter traces `mod` itself
+        yield mod
+        return
     ops, table = _onnx_decompositions(opset)
     with torch.fx.experimental._config.patch(backed_size_oblivious=True):
         ep = export_decomposed(mod, args, table)

@@ -6,6 +6,8 @@ import contextlib
 
 import torch
 
+from ..accelerators import enabled
+
 
 def _pass_name(p) -> str:
     """A pass object's class name, or the name of torch's `pass_result_wrapper` around one."""
@@ -18,7 +20,7 @@ _PER_OP_EDGE_PASSES = ("ScalarToTensorPass", "RemoveMixedTypeOperators", "OpRepl
 
 
 def _view_ops_to_copies_in_place(graph_module) -> bool | None:
-    """What torch's `ReplaceViewOpsWithViewCopyOpsPass` (torch 2.13, pinned) does to a graph
+    """What torch's `ReplaceViewOpsWithViewCopyOpsPass` (torch 2.13-2.14) does to a graph
     without higher-order ops, as a change of targets in place: every ATen view op becomes its
     `_copy` variant (`_unsafe_view`: `view_copy`), same arguments.
 
@@ -65,8 +67,8 @@ def one_edge_conversion_trace():
 
     WHY: `ScalarToTensorPass`, `RemoveMixedTypeOperators`, `OpReplacePass` (ATen -> edge ops)
     and `MemoryFormatOpsPass` (`_to_copy` -> `_to_dim_order_copy`) are `ExportPass`es that each
-    re-trace every node with fake tensors to rewrite single calls: four full traces per method,
-    1.6-2 s each on the built-in model. Each overrides only `call_operator` and hands its
+    re-trace every node with fake tensors to rewrite single calls: four full traces per method.
+    Each overrides only `call_operator` and hands its
     result to `super().call_operator`, so one class deriving from all four, in `to_edge`'s
     order, applies them to each call in turn (what the cast inserted for a mixed-type add goes
     through next is OpReplace and MemoryFormat, as in the separate passes). Between the first
@@ -74,14 +76,17 @@ def one_edge_conversion_trace():
     `PruneEmptyTensorsPass`, `RemoveToCopyPass`) that match ATen no-op copies, slices and
     empty cat inputs, none of which a scalar argument turned into a tensor creates or removes,
     so they now run before the fused trace. The view-to-copy pass that `to_edge` runs before
-    all of them (torch's `ReplaceViewOpsWithViewCopyOpsPass`, one more full re-trace per method:
-    1.5 s on the built-in model) rewrites one call at a time too, an op for its `_copy`
+    all of them (torch's `ReplaceViewOpsWithViewCopyOpsPass`, one more full re-trace per method)
+    rewrites one call at a time too, an op for its `_copy`
     variant with the same arguments; it becomes that change of each node's target in place
     (`_view_ops_to_copies_in_place`), and the fused trace after it recomputes every value.
     tests/test_lowering.py compares the emitted bytes with ExecuTorch's stock lowering.
     `_generate_edge_program` reads the pass classes and list when it runs, so they are swapped
-    for the block only; executorch and torch are pinned.
+    for the block only; runs only on the releases it was verified on (shram_static/accelerators.py).
     """
+    if not enabled("one_edge_conversion_trace"):  # off: the stock path
+        yield
+        return
     from torch._export.passes import ReplaceViewOpsWithViewCopyOpsPass
     from torch.fx.passes.infra.pass_base import PassBase, PassResult
 

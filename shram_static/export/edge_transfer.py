@@ -30,8 +30,8 @@ def edge_program_to_value(ep) -> tuple:
 
     The delegates' named data (XNNPACK's weights) and their original modules' tensors travel
     beside the serialized program, as tensors and bytes. WHY: the serializer writes them as
-    base64 text inside JSON inside JSON; for the bench model's `.pte` that is ~0.6 GB of text,
-    and reading it back raised the peak memory of the export by 2 GB. Meanwhile the serializer
+    base64 text inside JSON inside JSON, several times the weights' size, and reading it back
+    raised the export's peak memory by gigabytes on the bench model. Meanwhile the serializer
     sees the original modules' tensors on the meta device (no data); `ep` is restored after.
     """
     from executorch.exir.serde.serialize import serialize
@@ -64,6 +64,11 @@ def _put_back(lowered: dict, data: dict) -> None:
             for k in d:
                 if k in tensors:
                     d[k] = tensors[k]
+
+
+# Registered as the accelerator `parallel_lowering` (shram_static/accelerators.py): `forked.run_jobs`
+# lowers in one process where it is off.
+edge_program_to_value.accelerator = "parallel_lowering"
 
 
 def edge_program_from_value(value: tuple):

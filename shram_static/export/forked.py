@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from ..accelerators import enabled
+
 
 def usable_cpus() -> int:
     """CPUs this process may run on."""
@@ -60,7 +62,9 @@ def run_jobs(jobs: dict, encode: Callable, decode: Callable, parallel: bool = Tr
 
     Args:
         jobs: name -> callable; each must not depend on another job's side effects.
-        encode: result -> a picklable value, run in the child.
+        encode: result -> a picklable value, run in the child. One that carries an
+            `accelerator` attribute (`edge_transfer.edge_program_to_value`: ExecuTorch
+            internals) is used only where that accelerator is on; elsewhere the jobs run here.
         decode: that value -> result, run here.
         parallel: False runs every job here, one after another (half the peak memory).
 
@@ -68,7 +72,8 @@ def run_jobs(jobs: dict, encode: Callable, decode: Callable, parallel: bool = Tr
         name -> result, in the order of `jobs`.
     """
     names = list(jobs)
-    if not parallel or len(names) < 2 or not can_fork():
+    accelerator = getattr(encode, "accelerator", None)  # an encoder that relies on private internals
+    if not parallel or len(names) < 2 or not can_fork() or (accelerator and not enabled(accelerator)):
         return {n: jobs[n]() for n in names}
     import multiprocessing
 

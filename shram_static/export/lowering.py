@@ -1,9 +1,11 @@
 """What makes lowering a SHRAM step (ExecuTorch, ONNX) cheaper without changing the program.
 
-Lowering cost is per graph node and per pass (`export/probes/README.md`, section 7): every
+Lowering cost is per graph node and per pass (docs/performance.md, "Accelerators"): every
 pass re-traces the graph, XNNPACK's `preprocess` runs its 17 passes on every partition, and
 the ONNX exporter's optimizer tries each of its ~46 rewrite rules at every node. Each helper
-here removes work whose result is thrown away, and says why it is safe.
+here removes work whose result is thrown away, and says why it is safe. Each is a registered
+accelerator: it runs only on the releases it was verified on, and `SHRAM_STATIC_STOCK=1` turns
+it off (shram_static/accelerators.py).
 """
 
 import contextlib
@@ -12,6 +14,7 @@ import logging
 
 import torch
 
+from ..accelerators import enabled
 from .bookkeeping import cached_type_hints, lazy_recompiles, mutable_buffers_listed_once, shared_provenance
 from .decompose import export_decomposed
 from .edge_conversion import _pass_name, one_edge_conversion_trace
@@ -27,8 +30,9 @@ def _op_name(node) -> str:
 def _pass_triggers() -> dict:
     """Pass name -> predicate on a node: the pass can change the graph only if some node
     satisfies it. XNNPACK's `preprocess` passes (per partition) and ExecuTorch's ATen-to-edge and
-    edge-to-ExecuTorch passes (per method), read off each pass's source in executorch 1.4.1,
-    which is pinned; each rewrites only the nodes named here and otherwise re-traces the graph."""
+    edge-to-ExecuTorch passes (per method), read off each pass's source in the ExecuTorch releases
+    the accelerators were verified on; each rewrites only the nodes named here and
+    otherwise re-traces the graph."""
     from executorch.backends.xnnpack.utils.quant_utils import is_dequant, is_quant
     from executorch.exir.passes.dim_order_ops_registry import MemoryFormatOpsMap
     from executorch.exir.passes.legalize_portable_dim_order_pass import LegalizePortableDimOrderPass
@@ -121,15 +125,16 @@ def needed_xnnpack_passes_only():
     WHY: `preprocess` runs all 17 of its passes on every partition, and each one re-traces the
     partition with fake tensors and re-checks it, whether or not the partition holds anything
     the pass rewrites; the two pattern passes also trace their pattern graphs once per process
-    (3.3 s). A SHRAM step has no convolution, batch norm, PReLU, upsampling, pooling or SDPA.
-    Measured on the built-in model, decode-only `.pte`: 10 of the 17 passes were ~13 of 47 s;
-    FuseActivation, RemoveRedundantCopy and ConvertToLinear, gated later, ~1.2-1.8 s each
-    over both methods' partitions.
+    A SHRAM step has no convolution, batch norm, PReLU, upsampling, pooling or SDPA, so
+    most of them re-trace for nothing (what that costs: docs/performance.md).
     ExecuTorch's maintainers cut the same cost the same way for their llama export (pytorch/
     executorch#1893: only ConvertToLinearPass for dynamically quantized linears); the pass list
     is the only hook, so the default list is filtered where it is built. Restored on exit;
-    executorch is pinned (pyproject.toml).
+    runs only on the releases it was verified on (shram_static/accelerators.py).
     """
+    if not enabled("needed_xnnpack_passes"):  # off: the stock path
+        yield
+        return
     from executorch.backends.xnnpack import _passes
 
     cls = _passes.XNNPACKPassManager
@@ -168,11 +173,14 @@ def needed_edge_passes_only():
 
     WHY: each of those passes is an `ExportPass` that re-traces every node of the graph with
     fake tensors to rewrite a few ops a static SHRAM step does not hold (`aten.t`, a SymInt
-    argument, a view op left after the view-to-copy pass): ~0.8 s each per method on the
-    built-in model, ~2.5 s on the bench model. The pass lists are read from
+    argument, a view op left after the view-to-copy pass). The pass lists are read from
     `_get_aten_to_edge_passes` and `edge_to_executorch_passes` when a method is converted, so
-    those functions are wrapped for the block only; executorch is pinned (pyproject.toml).
+    those functions are wrapped for the block only;
+    runs only on the releases it was verified on (shram_static/accelerators.py).
     """
+    if not enabled("needed_edge_passes"):  # off: the stock path
+        yield
+        return
     from executorch.exir.program import _program
 
     get = _program._get_aten_to_edge_passes
@@ -207,14 +215,17 @@ def delegate_outputs_from_metadata():
     WHY: `to_executorch` re-traces each method once (`SpecPropPass`), and torch's fake
     implementation of `executorch_call_delegate` runs `original_module.module()` of every
     delegate: it unlifts the partition's ExportedProgram into a new GraphModule and interprets
-    all of its nodes, 8 s per method of the bench model's int8 program (15.9 of its 31 s
-    `to_executorch`). The result is only used for its shapes, strides and dtypes, which the
-    partition's output nodes already record (the partition is lowered: nothing changes it
-    after). Outside fake tracing (running a lowered module eagerly) the stock implementation
-    runs. tests/test_lowering.py compares the emitted bytes with the stock lowering. The fake
-    and proxy implementations read `call_delegate_cpu` from the module when they run, so it is
-    swapped for the block only; torch is pinned.
+    all of its nodes (about half of an int8 program's `to_executorch`). The result is only
+    used for its shapes, strides and dtypes, which the partition's output nodes already record
+    (the partition is lowered: nothing changes it after). Outside fake tracing (running a
+    lowered module eagerly) the stock implementation runs. tests/test_lowering.py compares the
+    emitted bytes with the stock lowering. The fake and proxy implementations read
+    `call_delegate_cpu` from the module when they run, so it is swapped for the block only;
+    runs only on the releases it was verified on (shram_static/accelerators.py).
     """
+    if not enabled("delegate_outputs_from_metadata"):  # off: the stock path
+        yield
+        return
     import importlib
 
     from torch._guards import detect_fake_mode
@@ -246,7 +257,7 @@ def delegate_outputs_from_metadata():
 
 
 def _can_merge_partitions(self, p1, p2, partitions_by_id) -> bool:
-    """`GroupBasedPartitioner._can_merge_partitions` of executorch 1.4.1 with the same answer:
+    """`GroupBasedPartitioner._can_merge_partitions` of executorch 1.4-1.5 with the same answer:
     two partitions merge unless a node outside both, fed by one of them, feeds one of them
     back (a cycle), checked on the precomputed dependency sets and then on the live graph.
 
@@ -264,7 +275,7 @@ def _can_merge_partitions(self, p1, p2, partitions_by_id) -> bool:
 
 
 def _legalize_order(gm) -> list:
-    """The node order `torch.fx.passes.tools_common.legalize_graph` (torch 2.13, pinned) gives
+    """The node order `torch.fx.passes.tools_common.legalize_graph` (torch 2.13-2.14) gives
     `gm`: Kahn's algorithm over a deque, runtime-assertion and scalar ops first."""
     import collections
     import operator
@@ -301,17 +312,21 @@ def faster_partitioning():
     """Within the block, ExecuTorch's partitioning of a graph into delegates gives the same
     partitions and the same graph in time linear, not quadratic, in the partition count.
 
-    WHY: profile of the bench model's `.pte` lowering, 120 s in `to_backend` of which XNNPACK's
-    preprocessing was 39 s; the rest was two quadratic steps. (1) `GroupBasedPartitioner`
+    WHY: in a profile of the bench model's `.pte` lowering, most of `to_backend` outside
+    XNNPACK's preprocessing was two quadratic steps. (1) `GroupBasedPartitioner`
     tries to merge every pair of candidate partitions, each try scanning whole downstream sets
-    in a Python generator (427 M steps): `_can_merge_partitions` answers the same with
+    in a Python generator: `_can_merge_partitions` answers the same with
     `set.isdisjoint`. (2) `create_submodule_from_nodes` calls `legalize_graph` after cutting
-    out each of the 134 delegates, which copies every node of the whole graph into a new one
+    out each delegate, which copies every node of the whole graph into a new one
     and regenerates its Python code: the same order is applied to the same nodes in place, and
     the code is regenerated once per graph when the block ends (nothing runs the graph module
     in between: delegates are cut from and lowered off its `graph`). Both functions are read
-    when called, so they are swapped for the block only; executorch and torch are pinned.
+    when called, so they are swapped for the block only;
+    runs only on the releases it was verified on (shram_static/accelerators.py).
     """
+    if not enabled("linear_partitioning"):  # off: the stock path
+        yield
+        return
     from executorch.exir import lowered_backend_module as lbm
     from executorch.exir.backend.canonical_partitioners.group_partitioner import GroupBasedPartitioner
 
@@ -349,12 +364,16 @@ def without_onnx_rewrite_rules(names=SKIPPED_ONNX_RULES):
     WHY: onnxscript's `SlicesSplit` (two Slices of one tensor's last-axis halves -> one Split)
     is a two-output pattern, and its matcher is far slower than the other 45 rules together on
     a SHRAM step, which holds hundreds of Slices (cache views, RoPE halves) and never matches
-    it. Measured on the bench model's decode graph: 24.5 of the 28.7 s one rewrite round takes;
-    the optimizer was 116 of the 177 s of the bench model's `.onnx` export. The optimized
+    it: most of an optimizer round on the bench model's decode graph, and the optimizer is most
+    of an `.onnx` export (docs/performance.md). The optimized
     graphs are otherwise what the exporter makes (tests/test_lowering.py compares the op
     histograms with and without). `optimize_ir` reads the rule tuple when it runs, so it is
-    swapped for the block only; onnxscript's version is what this was measured on.
+    swapped for the block only;
+    runs only on the releases it was verified on (shram_static/accelerators.py).
     """
+    if not enabled("skip_onnx_slices_split"):  # off: the stock path
+        yield
+        return
     from onnxscript import rewriter
 
     rules = rewriter._DEFAULT_REWRITE_RULES
@@ -374,8 +393,7 @@ def export_and_lower(methods: dict, partitioner, constant_methods: dict, compile
     WHY: the stock call, for a partitioner that checks op support (XNNPACK's does), runs
     `run_decompositions` three times per method (functionalize; decompose all but the ops the
     partitioner asks to keep; decompose again those of the kept ops it then rejects), each a
-    full re-trace of the graph after export's own: 18 of the 63 s of the built-in model's
-    `.pte` export. ExecuTorch's public two-step flow (`to_edge` with
+    full re-trace of the graph after export's own. ExecuTorch's public two-step flow (`to_edge` with
     `EdgeCompileConfig.preserve_ops`, then `to_backend`) functionalizes and decomposes in one
     pass, here fused with the export's trace. The only difference is for a kept op the
     partitioner would then reject (e.g. a linear XNNPACK cannot take): the stock call decomposes
@@ -393,9 +411,11 @@ def export_and_lower(methods: dict, partitioner, constant_methods: dict, compile
     Returns:
         The lowered `EdgeProgramManager`.
     """
-    from executorch.exir import EdgeProgramManager, to_edge_transform_and_lower
+    from executorch.exir import EdgeProgramManager
     from executorch.exir.program import _program
 
+    if not enabled("one_trace_lowering"):
+        return _stock_lower(methods, partitioner, constant_methods, compile_config)
     # The ops the partitioner keeps whole, as the stock call asks for them (a configuration
     # partitioner's list does not depend on the program; its support check, below, does).
     kept = partitioner.ops_to_not_decompose(None)[0]
@@ -416,10 +436,7 @@ def export_and_lower(methods: dict, partitioner, constant_methods: dict, compile
             # An edge op wraps its ATen op in `_op`.
             if n.op == "call_function" and getattr(n.target, "_op", n.target) in keep \
                     and not (supported is None or supported(n)):
-                with torch.no_grad():
-                    aten = {name: torch.export.export(mod, args, strict=False) for name, (mod, args) in methods.items()}
-                return to_edge_transform_and_lower(aten, partitioner=[partitioner], compile_config=compile_config,
-                                                   constant_methods=constant_methods)
+                return _stock_lower(methods, partitioner, constant_methods, compile_config)
     # The XNNPACK partitioner logs a deprecation notice for to_edge + to_backend, advising the
     # stock call for its support filter; that filter is applied above, so the notice is dropped.
     log = logging.getLogger("executorch.backends.xnnpack.partition.xnnpack_partitioner")
@@ -430,6 +447,17 @@ def export_and_lower(methods: dict, partitioner, constant_methods: dict, compile
     finally:
         log.removeFilter(quiet)
 
+
+
+def _stock_lower(methods: dict, partitioner, constant_methods: dict, compile_config):
+    """What `export_and_lower` stands for: `torch.export.export` of each method, then ExecuTorch's
+    `to_edge_transform_and_lower`."""
+    from executorch.exir import to_edge_transform_and_lower
+
+    with torch.no_grad():
+        aten = {name: torch.export.export(mod, args, strict=False) for name, (mod, args) in methods.items()}
+    return to_edge_transform_and_lower(aten, partitioner=[partitioner], compile_config=compile_config,
+                                       constant_methods=constant_methods)
 
 
 @contextlib.contextmanager

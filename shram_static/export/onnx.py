@@ -1,10 +1,12 @@
-"""ONNX export of the static steps as pure functions, and an onnxruntime decoder.
+"""ONNX export of the static steps as pure functions (`export_onnx`); `onnx_runtime.py` runs them.
 
 Files for `export_onnx(model, "m.onnx", ...)`:
   * `m.onnx`: the decode graph (C = 1), a complete model on its own;
   * `m.prefill.onnx`: the prefill graph (C = prefill_chunk); none with `prefill_chunk=None`
     (decode only: prompts then go token by token through the decode graph);
-  * `m.onnx.data`: the weights of both, stored once (external data, deduplicated by content).
+  * `m.verify.onnx`: with `verify_len`, the verify graph (C = verify_len: speculative
+    decoding's last token and guesses);
+  * `m.onnx.data`: the weights of all graphs, stored once (external data, deduplicated by content).
 Each graph is `(input_ids [B, C] int64, position_ids [B] int64, live [B, C] bool,
 past.<name>...) -> (logits [B, C, V], present.<name>...)` over the state tensors of
 `StaticState.names()`; `position_ids` is the number of live tokens each row holds before the
@@ -29,35 +31,15 @@ import torch
 
 from ..config import ShramConfig
 from ..console import without_leafspec_notice
-from ..host import HostDecoder
 from ..state import StaticState
 from ..step import FunctionalStep
+from .common import ONNX_FORMAT, check_export_args, export_copy, graph_paths
 from .decompose import onnx_decomposed
 from .forked import run_jobs
 from .lowering import without_onnx_rewrite_rules
-from .pte import ExportFormatError, check_export_args, export_copy
 
-FORMAT = "shram_static.onnx/1"
 _ALIGN = 64  # byte alignment of each tensor in the shared data file
-_NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
-              "tensor(bool)": np.bool_, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
-              "tensor(uint8)": np.uint8}
 
-
-def graph_paths(path) -> dict[str, str]:
-    """The files of one export: {"decode": m.onnx, "prefill": m.prefill.onnx, "data": m.onnx.data}.
-
-    Args:
-        path: the decode graph's path (`m.onnx`).
-    """
-    path = os.fspath(path)
-    stem = path[:-5] if path.endswith(".onnx") else path
-    return {"decode": path, "prefill": stem + ".prefill.onnx", "data": path + ".data"}
-
-
-# ----------------------------------------------------------------------------------------
-# Export
-# ----------------------------------------------------------------------------------------
 
 def _export_graph(fn: FunctionalStep, state: StaticState, C: int):
     """torch.onnx.export (dynamo, opset 23) of the pure step for chunk length C, its RMSNorms,
@@ -109,7 +91,8 @@ def _externalize(models: list, data_path: str, min_bytes: int = 1024) -> None:
 
 
 def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32,
-                eos_token_id: int | None = None, *, parallel: bool = True) -> dict[str, str]:
+                eos_token_id: int | None = None, *, parallel: bool = True,
+                verify_len: int | None = None) -> dict[str, str]:
     """Writes the decode and prefill graphs and their shared weights (see module docstring).
 
     Args:
@@ -122,34 +105,43 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
         parallel: export the decode graph in a forked process while this one exports the
             prefill graph (Linux, two or more usable CPUs; the same graphs; up to twice the
             peak memory). False: one process.
+        verify_len: also write `m.verify.onnx`, the step of verify_len tokens per row
+            (speculative decoding), and build the state to roll back max(prefill_chunk,
+            verify_len) tokens (`rollback_limit` in the metadata). None: no verify graph;
+            rollback up to prefill_chunk still works.
 
     Returns:
-        The paths written, as `graph_paths(path)` (without "prefill" when decode only).
+        The paths written, as `graph_paths(path, verify)` (without "prefill" when decode only).
     """
     import onnx
 
     cfg: ShramConfig = model.config
     if not isinstance(parallel, bool):
         raise TypeError(f"parallel must be a bool, got {parallel!r}")
+    if verify_len is not None and (isinstance(verify_len, bool) or not isinstance(verify_len, int) or verify_len < 2):
+        raise ValueError(f"verify_len must be an int >= 2 or None, got {verify_len!r}")
     C = 1 if prefill_chunk is None else prefill_chunk
     check_export_args(cfg, batch_size, C, eos_token_id)
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
-    state = StaticState(cfg, batch_size, C, dtype=dtype)
+    state = StaticState(cfg, batch_size, C, dtype=dtype, rollback_limit=verify_len)
     fn = FunctionalStep(model, state).eval()
-    paths = graph_paths(path)
+    paths = graph_paths(path, verify=True)
     os.makedirs(os.path.dirname(os.path.abspath(paths["decode"])), exist_ok=True)
     export_id = uuid.uuid4().hex  # ties the files of one export together
     # With `parallel`, the decode graph is exported in a forked process while this one exports
     # the (larger) prefill graph (shram_static/export/forked.py); a graph travels back as bytes.
     chunks = {"decode": 1} if prefill_chunk is None else {"decode": 1, "prefill": C}
+    if verify_len is not None:
+        chunks["verify"] = verify_len
     jobs = {role: functools.partial(_export_graph, fn, state, chunks[role]) for role in reversed(chunks)}
     protos = run_jobs(jobs, lambda m: m.SerializeToString(), onnx.ModelProto.FromString, parallel)
     models = {}
     for role, c in chunks.items():
         m = protos[role]
-        meta = {"format": FORMAT, "role": role, "roles": list(chunks), "export_id": export_id,
+        meta = {"format": ONNX_FORMAT, "role": role, "roles": list(chunks), "export_id": export_id,
                 "batch_size": batch_size, "prefill_chunk": C, "chunk": c, "state_names": state.names(),
+                "rollback_limit": state.rollback_limit, "verify_len": verify_len,
                 "eos_token_id": eos_token_id, "dtype": str(dtype).replace("torch.", "")}
         onnx.helper.set_model_props(m, {"shram_config": cfg.to_json_string(use_diff=False),
                                          "shram_export": json.dumps(meta)})
@@ -159,164 +151,7 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
         onnx.save(m, paths[role])
         # the path form of the checker also reads the external data file
         onnx.checker.check_model(paths[role], full_check=True)
-    if prefill_chunk is None and os.path.exists(paths["prefill"]):
-        os.remove(paths["prefill"])  # another export's graph: it must not pass for this one's
+    for role in ("prefill", "verify"):
+        if role not in chunks and os.path.exists(paths[role]):
+            os.remove(paths[role])  # another export's graph: it must not pass for this one's
     return {role: paths[role] for role in (*chunks, "data")}
-
-
-# ----------------------------------------------------------------------------------------
-# Load
-# ----------------------------------------------------------------------------------------
-
-def _read_meta(path: str) -> tuple[dict, dict]:
-    """(config dict, export dict) from a graph's metadata_props, without loading weights."""
-    import onnx
-    try:
-        m = onnx.load(path, load_external_data=False)
-    except Exception as e:  # protobuf DecodeError and friends
-        raise ExportFormatError(f"{path} is not a readable ONNX model (truncated or corrupt?): {e}") from e
-    props = {p.key: p.value for p in m.metadata_props}
-    if "shram_export" not in props or "shram_config" not in props:
-        raise ExportFormatError(f"{path} has no shram metadata: it was not written by "
-                                f"shram_static.export.export_onnx")
-    meta = json.loads(props["shram_export"])
-    if meta.get("format") != FORMAT:
-        raise ExportFormatError(f"{path} has format {meta.get('format')!r}; this version reads {FORMAT!r}")
-    return json.loads(props["shram_config"]), meta
-
-
-class _Graph:
-    """One onnxruntime session with a reusable IOBinding and a preallocated logits buffer."""
-
-    def __init__(self, path: str, threads: int | None):
-        import onnxruntime as ort
-        so = ort.SessionOptions()
-        if threads:
-            so.intra_op_num_threads = threads
-        try:
-            self.sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
-        except Exception as e:
-            raise ExportFormatError(f"onnxruntime cannot load {path} (truncated, or its .data file "
-                                    f"is missing or damaged?): {e}") from e
-        self.inputs = {i.name: i for i in self.sess.get_inputs()}
-        self.binding = self.sess.io_binding()
-        shape = self.sess.get_outputs()[0].shape
-        self.logits = np.zeros(shape, dtype=_NP_DTYPES[self.sess.get_outputs()[0].type])
-        self._logits_ov = ort.OrtValue.ortvalue_from_numpy(self.logits)
-        self.binding.bind_ortvalue_output("logits", self._logits_ov)
-
-    def bind_state(self, names, past, present) -> None:
-        for n, a, b in zip(names, past, present):
-            self.binding.bind_ortvalue_input(f"past.{n}", a)
-            self.binding.bind_ortvalue_output(f"present.{n}", b)
-
-    def run(self, ids: np.ndarray, pos: np.ndarray, live: np.ndarray) -> np.ndarray:
-        self._keep = (ids, pos, live)  # the binding points into these arrays until the run ends
-        self.binding.bind_cpu_input("input_ids", ids)
-        self.binding.bind_cpu_input("position_ids", pos)
-        self.binding.bind_cpu_input("live", live)
-        self.sess.run_with_iobinding(self.binding)
-        return self.logits.copy()
-
-
-class OnnxDecoder(HostDecoder):
-    """`HostDecoder` over the graphs written by `export_onnx`, run in onnxruntime.
-
-    The state lives in OrtValues that never leave onnxruntime between steps. With
-    `inplace=True` each `present.X` output is bound to the very OrtValue of `past.X`, so a step
-    updates the state where it lies (no copy of the whole state per step); this is correct
-    because no node of the graphs reads an old state tensor after writing it (tested against
-    `inplace=False`, which alternates two state sets).
-
-    Args:
-        path: the decode graph `m.onnx` (`m.prefill.onnx` and `m.onnx.data` beside it; a
-            decode-only export has no prefill graph and feeds prompts token by token).
-        inplace: alias outputs to inputs (fast) or alternate two state sets (reference).
-        threads: onnxruntime intra-op threads (default: onnxruntime's choice).
-    """
-
-    def __init__(self, path, inplace: bool = True, threads: int | None = None):
-        import onnxruntime as ort
-        paths = graph_paths(path)
-        _need_file(paths["decode"])
-        cfg_d, meta = _read_meta(paths["decode"])
-        if meta.get("role") != "decode":
-            raise ExportFormatError(f"{paths['decode']} holds the {meta.get('role')!r} graph, expected decode")
-        roles = meta.get("roles", ["decode", "prefill"])  # absent: written before decode-only exports
-        for role in [r for r in roles if r != "decode"] + ["data"]:
-            _need_file(paths[role])
-        if "prefill" in roles:
-            _, meta_p = _read_meta(paths["prefill"])
-            if meta_p.get("role") != "prefill":
-                raise ExportFormatError(f"{paths['prefill']} holds the {meta_p.get('role')!r} graph, "
-                                        f"expected prefill")
-            if meta_p.get("export_id") != meta.get("export_id"):
-                raise ExportFormatError(f"{paths['prefill']} comes from another export than "
-                                        f"{paths['decode']} (export ids differ): re-export both")
-        config = ShramConfig.from_dict(cfg_d)
-        super().__init__(config, meta["batch_size"], meta["prefill_chunk"], meta.get("eos_token_id"))
-        self.paths, self.meta, self.inplace = paths, meta, inplace
-        self.names = list(meta["state_names"])
-        self._graphs = {role: _Graph(paths[role], threads) for role in roles}
-        B, C, V = self.batch_size, self.prefill_chunk, config.vocab_size
-        for role, g in self._graphs.items():
-            c = 1 if role == "decode" else C
-            if g.inputs["input_ids"].shape != [B, c] or list(g.logits.shape) != [B, c, V]:
-                raise ExportFormatError(f"{paths[role]} takes input_ids {g.inputs['input_ids'].shape} and "
-                                        f"returns logits {list(g.logits.shape)}, but its config says "
-                                        f"{[B, c]} -> {[B, c, V]} (a file from another config?)")
-        # Starting state: zeros (finite; stale slots are masked by position, never cleared).
-        dec_in = self._graphs["decode"].inputs
-        self._arrays = [[np.zeros(dec_in[f"past.{n}"].shape, _NP_DTYPES[dec_in[f"past.{n}"].type])
-                         for n in self.names] for _ in range(1 if inplace else 2)]
-        # OrtValue.ortvalue_from_numpy does not own the array: self._arrays keeps them alive.
-        self._state = [[ort.OrtValue.ortvalue_from_numpy(a) for a in arrs] for arrs in self._arrays]
-        if inplace:
-            for g in self._graphs.values():
-                g.bind_state(self.names, self._state[0], self._state[0])
-
-    def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        g = self._graphs["decode" if tokens.shape[1] == 1 else "prefill"]
-        if not self.inplace:
-            g.bind_state(self.names, self._state[0], self._state[1])
-            self._state.reverse()  # after this run the outputs are the current state
-            self._arrays.reverse()
-        out = g.run(np.ascontiguousarray(tokens.numpy(), dtype=np.int64),
-                    np.ascontiguousarray(input_pos.numpy(), dtype=np.int64),
-                    np.ascontiguousarray(live.numpy(), dtype=np.bool_))
-        return torch.from_numpy(out)
-
-    def _reset_state(self) -> None:
-        # Not needed for correctness (position 0 masks every stale slot); keeps a reset
-        # decoder byte-identical to a fresh one.
-        for arrs in self._arrays:
-            for a in arrs:
-                a.fill(0)
-
-    def state_arrays(self) -> dict[str, np.ndarray]:
-        """Current state as numpy arrays by name (views of the live buffers)."""
-        return dict(zip(self.names, self._arrays[0]))
-
-
-def _need_file(path: str) -> None:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"ONNX export file {path!r} does not exist (an export of m.onnx is m.onnx, "
-                                f"m.prefill.onnx unless decode only, and m.onnx.data)")
-
-
-def load_onnx(path, inplace: bool = True, threads: int | None = None) -> OnnxDecoder:
-    """Loads the graphs written by `export_onnx` as a decoder with the `StaticDecoder` API.
-
-    Args:
-        path: `m.onnx` (its siblings `m.prefill.onnx` and `m.onnx.data` are found by name).
-        inplace: bind each present output to its past input (default; see `OnnxDecoder`).
-        threads: onnxruntime intra-op threads.
-
-    Returns:
-        An `OnnxDecoder` (`prefill`, `decode`, `reset`, `generate`).
-
-    Raises:
-        FileNotFoundError: a file of the export is missing.
-        ExportFormatError: a file is truncated, foreign, or from another export / config.
-    """
-    return OnnxDecoder(path, inplace=inplace, threads=threads)

@@ -2,12 +2,12 @@
 max trees rewritten into the opset-23 ops onnxruntime runs as one kernel each.
 
 WHY: an `.onnx` decode step is bandwidth-bound in its ~150 weight matmuls, and onnxruntime then
-spends ~2-3 us on each of ~2900 small nodes (sequential executor, one kernel dispatch, shape
+spends microseconds on each of thousands of small nodes (sequential executor, one kernel dispatch, shape
 check and allocation per node). The step is written for XNNPACK (`shram_static.reductions`:
 means over a 4-D view, max as a tree of halves), where those forms stay inside a delegate; in
 ONNX they are 9 nodes per RMSNorm, 7 per RoPE and 3 per level of a max tree. These rules turn
 them into `RMSNormalization`, `RotaryEmbedding` and `ReduceMax` (ONNX opset 23), on the exported
-graph only: eager, compiled and `.pte` steps run the same torch code as before.
+graph only: eager, compiled and `.pte` steps run the torch code as written.
 
 onnxscript's own opset-23 fusions (`onnxscript.rewriter.onnx_fusions`) match the forms that
 transformers' Llama exports (`Pow(x, 2)`, a 1-D mean, cos/sin computed in the graph), not these;

@@ -6,11 +6,10 @@ WHY: inside an XNNPACK delegate a reshape (`view_copy`) is an operator that copi
 and when that input comes from outside (a weight, or the output of a portable gather) the
 delegate copies the whole tensor on every call. Outside a delegate ExecuTorch turns the same
 `view_copy` into a view that shares its base's memory and costs nothing
-(`ReplaceViewCopyWithViewPass`, run by `to_executorch`). Measured on the bench model's decode
-step: 44 delegated reshapes per layer moved 5.2 MB per layer per token (the fused expert
-weights 2 MB of it), and `perf` put 12% of a 12-layer decode step in `memmove` on XNNPACK's
-threads; with this partitioner, a 4-layer decode step's `memmove` share fell from 6.2% to 1.9%
-and the step from 7.18 to 6.38 ms (one process, alternating runs).
+(`ReplaceViewCopyWithViewPass`, run by `to_executorch`). On the bench model's decode step the
+delegated reshapes copied megabytes per layer per token (the fused expert weights among them),
+visible in `perf` as `memmove` on XNNPACK's threads (docs/performance.md). XNNPACK's public
+partitioner configs: part of the program, not an accelerator.
 """
 
 import torch

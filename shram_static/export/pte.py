@@ -1,4 +1,4 @@
-"""ExecuTorch export (`.pte`, XNNPACK) of the static steps, and a decoder that runs it.
+"""ExecuTorch export (`.pte`, XNNPACK) of the static steps (`export_pte`); `pte_runtime.py` runs it.
 
 One program holds:
   * the decode step: `forward(tokens [1, 1] int64, input_pos [1] int64) -> logits [1, V]` when
@@ -19,8 +19,6 @@ derived from `input_pos`, so a call at position 0 starts a fresh sequence withou
 anything (what the stock runner's `reset()` relies on).
 """
 
-import contextlib
-import copy
 import functools
 import json
 import os
@@ -30,10 +28,10 @@ from torch import nn
 
 from ..config import ShramConfig
 from ..console import without_leafspec_notice
-from ..experts import fuse_experts_
-from ..host import HostDecoder
+from ..errors import ExportFormatError  # noqa: F401 (importable from here too)
 from ..state import StaticState
 from ..step import StepModule
+from .common import PTE_FORMAT, check_export_args, export_copy
 from .edge_transfer import edge_program_from_value, edge_program_to_value
 from .forked import run_jobs
 from .partition import xnnpack_partitioner
@@ -41,22 +39,7 @@ from .lowering import export_and_lower, lowering_speedups
 from .quantize import QUANTIZE_MODES, quantize_weights_
 from .views import state_view_planning, written_cache_views_pass
 
-FORMAT = "shram_static.pte/1"
-# file_identifier of the ExecuTorch flatbuffer (bytes 4..8 of every .pte written by 1.x).
-_PTE_MAGIC = b"ET12"
-
-
 _SCALAR_TYPE = {torch.float32: 6, torch.float16: 5, torch.bfloat16: 15}  # c10::ScalarType codes
-
-
-class ExportFormatError(ValueError):
-    """A file that is not a loadable export of this package (truncated, corrupt, foreign, or
-    from another export); a missing file raises FileNotFoundError instead."""
-
-
-# ----------------------------------------------------------------------------------------
-# Export
-# ----------------------------------------------------------------------------------------
 
 class _Decode1(nn.Module):
     """Stock-runner decode step for batch 1: `(tokens [1, 1], input_pos [1]) -> logits [1, V]`."""
@@ -84,33 +67,6 @@ class _Chunk(nn.Module):
         return logits[:, -1, :] if self.last else logits
 
 
-def check_export_args(cfg: ShramConfig, batch_size, prefill_chunk, eos_token_id, bos_token_id=None) -> None:
-    """Raises ValueError on export arguments that cannot make a program (shared by .pte/.onnx)."""
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
-    for name, tid in (("eos_token_id", eos_token_id), ("bos_token_id", bos_token_id)):
-        if tid is not None and not 0 <= int(tid) < cfg.vocab_size:
-            raise ValueError(f"{name} {tid} is outside the vocabulary [0, {cfg.vocab_size})")
-
-
-def export_copy(model: nn.Module) -> nn.Module:
-    """A copy of `model` in eval mode, every parameter and buffer contiguous, with the expert
-    weights in the exported step's fused layout (`fuse_experts_`).
-
-    WHY: exporting (and quantizing) must not touch the caller's model, and a caller may hand
-    in transposed or sliced weights; the exporters and XNNPACK's weight serialisation are only
-    exercised on the default row-major layout.
-    """
-    m = copy.deepcopy(model).eval()
-    with torch.no_grad():
-        for t in list(m.parameters()) + list(m.buffers()):
-            if not t.is_contiguous():
-                t.data = t.data.contiguous()
-    return fuse_experts_(m)
-
-
 def _init_first_method_pass(names):
     """A pass that marks the state buffers of the FIRST method it sees as initialised
     (`meta["et_init_buffer"]` on their placeholders, what ExecuTorch's
@@ -122,7 +78,7 @@ def _init_first_method_pass(names):
     methods stores the whole state twice. The runtime copies them in when the method is loaded,
     so the decode method (lowered first, loaded first by `load_pte` and the only one the stock
     runner loads) is enough. The mark is set on the placeholders directly: ExecuTorch's pass
-    sets it while re-tracing the whole graph (1.6 s per method on the built-in model), and
+    sets it while re-tracing the whole graph (seconds per method), and
     `to_executorch` re-traces right after it anyway (SpecPropPass).
     """
     from torch.fx.passes.infra.pass_base import PassResult
@@ -183,7 +139,7 @@ def program_ops(et_program, method: str) -> dict:
 
 def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, quantize: str | None = None,
                   eos_token_id: int | None = None, bos_token_id: int | None = None, *,
-                  quantize_embedding: bool = False, parallel: bool = True):
+                  quantize_embedding: bool = False, parallel: bool = True, verify_len: int | None = None):
     """Exports and lowers the two steps (with `parallel`, the decode step in a forked process);
     returns the `ExecutorchProgramManager` (not written).
 
@@ -203,6 +159,8 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         raise ValueError("quantize_embedding applies with quantize='int8' or '8da4w'")
     if not isinstance(parallel, bool):
         raise TypeError(f"parallel must be a bool, got {parallel!r}")
+    if verify_len is not None and (isinstance(verify_len, bool) or not isinstance(verify_len, int) or verify_len < 2):
+        raise ValueError(f"verify_len must be an int >= 2 or None, got {verify_len!r}")
     eos_token_id = getattr(cfg, "eos_token_id", None) if eos_token_id is None else eos_token_id
     bos_token_id = getattr(cfg, "bos_token_id", None) if bos_token_id is None else bos_token_id
     check_export_args(cfg, batch_size, 1 if prefill_chunk is None else prefill_chunk, eos_token_id,
@@ -212,7 +170,8 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     if quantize is not None:
         model = quantize_weights_(model, quantize, embedding=quantize_embedding)
     B, C = batch_size, 1 if prefill_chunk is None else prefill_chunk
-    state = StaticState(cfg, B, C, dtype=dtype)
+    # The rollback limit (what HostDecoder.rollback allows) covers a verify step's guesses.
+    state = StaticState(cfg, B, C, dtype=dtype, rollback_limit=verify_len)
     step = StepModule(model, state).eval()
     i64 = dict(dtype=torch.long)
     decode_name = "forward" if B == 1 else "decode"
@@ -225,10 +184,15 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     methods = {decode_name: (dec, dec_args)}  # decode first: see _init_first_method_pass
     if prefill_chunk is not None:
         methods["prefill"] = (_Chunk(step, last=False), pre_args)
+    verify_method = None if verify_len is None else "prefill" if verify_len == C and prefill_chunk else "verify"
+    if verify_method == "verify":  # speculative decoding's verify step: k + 1 tokens per row
+        Cv = verify_len
+        methods["verify"] = (_Chunk(step, last=False), (torch.zeros(B, Cv, **i64), torch.zeros(B, **i64),
+                                                        torch.ones(B, Cv, dtype=torch.bool)))
     # _check_ir_validity=False, as ExecuTorch's llama export does. WHY: the edge verifier re-checks
-    # every graph after every pass (~10% of lowering time), and since a delegate holds a whole
-    # norm + projections block (export/probes/README.md, section 6) it rejects, inside XNNPACK's
-    # own preprocessing of such a partition, the `aten.linear` nodes the XNNPACK partitioner keeps
+    # every graph after every pass (a tenth of lowering time), and since a delegate holds a whole
+    # norm + projections block (docs/performance.md, ".pte") it rejects, inside XNNPACK's own
+    # preprocessing of such a partition, the `aten.linear` nodes the XNNPACK partitioner keeps
     # undecomposed for its linear kernel (SpecViolationError: "not in Core ATen opset"). What the
     # program runs is checked by running it (tests/test_export_pte.py: allowlisted kernels only).
     config = EdgeCompileConfig(_check_ir_validity=False)
@@ -241,11 +205,12 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
             return export_and_lower({name: methods[name]}, xnnpack_partitioner(), {}, config).exported_program(name)
 
     meta = {
-        "format": FORMAT, "batch_size": B, "prefill_chunk": C, "quantize": quantize,
+        "format": PTE_FORMAT, "batch_size": B, "prefill_chunk": C, "quantize": quantize,
         "quantize_embedding": quantize_embedding,
         "dtype": str(dtype).replace("torch.", ""), "decode_method": decode_name,
         "prefill_method": None if prefill_chunk is None else "prefill", "state_names": state.names(),
         "eos_token_id": eos_token_id, "bos_token_id": bos_token_id,
+        "rollback_limit": state.rollback_limit, "verify_len": verify_len, "verify_method": verify_method,
     }
     constants = {
         "get_max_seq_len": cfg.inference_sequence_length,
@@ -260,12 +225,12 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         "get_dtype": _SCALAR_TYPE[dtype],
         "get_bos_id": -1 if bos_token_id is None else int(bos_token_id),
         "get_eos_ids": [] if eos_token_id is None else [int(eos_token_id)],
-        "get_shram_config": cfg.to_json_string(use_diff=False),  # string constants work (probe 1)
+        "get_shram_config": cfg.to_json_string(use_diff=False),  # a string constant method
         "get_shram_export": json.dumps(meta),
     }
     # Each method is lowered on its own (the same program as lowering them together); with
     # `parallel` the decode method in a forked process (shram_static/export/forked.py). WHY that
-    # one: prefill's graph is the larger (20 against 13 s on the built-in model), and reading a
+    # one: prefill's graph is the larger (it takes longer to lower), and reading a
     # forked method back here (seconds) comes after this process's own lowering.
     jobs = {name: functools.partial(lower, name) for name in reversed(methods)}
     with lowering_speedups():
@@ -279,7 +244,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
             memory_planning_pass=state_view_planning(),
             emit_mutable_buffer_names=True,
             # index_put -> index_put_: without it each cache write copies the whole buffer into a
-            # temporary and back (probe 1: 3.2 vs 2.0 ms/step with 4 MiB caches). Safe: the pass
+            # temporary and back, a copy of every cache per step. Safe: the pass
             # only rewrites when the old buffer value is not read afterwards.
             run_reinplace_pass=True,
             passes=[_init_first_method_pass(state.names()), written_cache_views_pass],  # views.py
@@ -288,7 +253,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
 
 def export_pte(model, path, batch_size: int = 1, prefill_chunk: int | None = 32, quantize: str | None = None,
                eos_token_id: int | None = None, bos_token_id: int | None = None, *,
-               quantize_embedding: bool = False, parallel: bool = True) -> str:
+               quantize_embedding: bool = False, parallel: bool = True, verify_len: int | None = None) -> str:
     """Writes one ExecuTorch program (XNNPACK delegate, portable kernels for the rest).
 
     Args:
@@ -310,145 +275,19 @@ def export_pte(model, path, batch_size: int = 1, prefill_chunk: int | None = 32,
         parallel: lower the decode method in a forked process while this one lowers the prefill
             method (Linux, two or more usable CPUs; the same program; up to twice the peak
             memory). False: one process.
+        verify_len: also write a `verify(tokens [B, n], input_pos [B], live [B, n])` method of
+            n = verify_len tokens per row (speculative decoding: the last token and up to n - 1
+            guesses; `prefill` serves when n equals prefill_chunk), and build the state to roll
+            back max(prefill_chunk, n) tokens (stored as `rollback_limit` in the metadata).
+            None: no verify method; rollback up to prefill_chunk still works.
 
     Returns:
         The path written.
     """
     et = lower_program(model, batch_size, prefill_chunk, quantize, eos_token_id, bos_token_id,
-                       quantize_embedding=quantize_embedding, parallel=parallel)
+                       quantize_embedding=quantize_embedding, parallel=parallel, verify_len=verify_len)
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "wb") as f:
         f.write(et.buffer)
     return path
-
-
-# ----------------------------------------------------------------------------------------
-# Load
-# ----------------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def torch_threads(n: int):
-    """Runs the block with `torch.set_num_threads(n)`, restoring the previous count after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def _read_constant(program, name: str, path: str):
-    if name not in program.method_names:
-        raise ExportFormatError(f"{path} has no {name!r} method: it was not written by "
-                                f"shram_static.export.export_pte")
-    return program.load_method(name).execute([])[0]
-
-
-class PteDecoder(HostDecoder):
-    """`HostDecoder` over an ExecuTorch program written by `export_pte`.
-
-    Both step methods run through `executorch.runtime`'s Program, which gives them one shared
-    set of state buffers. Build it with `load_pte`.
-
-    Args:
-        path: the `.pte` file.
-    """
-
-    def __init__(self, path):
-        path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"ExecuTorch program {path!r} does not exist")
-        with open(path, "rb") as f:
-            head = f.read(8)
-        if len(head) < 8 or head[4:8] != _PTE_MAGIC:
-            raise ExportFormatError(f"{path} is not an ExecuTorch program (no {_PTE_MAGIC!r} header)")
-        from executorch.runtime import Runtime
-        try:
-            program = Runtime.get().load_program(path)
-        except Exception as e:  # the runtime raises a bare RuntimeError on a bad flatbuffer
-            raise ExportFormatError(f"{path} could not be loaded by the ExecuTorch runtime "
-                                    f"(truncated or corrupt?): {e}") from e
-        try:
-            meta = json.loads(_read_constant(program, "get_shram_export", path))
-            config = ShramConfig.from_dict(json.loads(_read_constant(program, "get_shram_config", path)))
-        except ExportFormatError:
-            raise
-        except Exception as e:
-            raise ExportFormatError(f"{path}: unreadable shram metadata (truncated or corrupt?): {e}") from e
-        if meta.get("format") != FORMAT:
-            raise ExportFormatError(f"{path} has format {meta.get('format')!r}; this version reads {FORMAT!r}")
-        super().__init__(config, meta["batch_size"], meta["prefill_chunk"], meta.get("eos_token_id"))
-        self.path = path
-        self.meta = meta
-        self._program = program
-        B, C, V = self.batch_size, self.prefill_chunk, config.vocab_size
-        self._check_signature(meta["decode_method"], (B, 1), (B, V))
-        if meta["prefill_method"] is not None:
-            self._check_signature(meta["prefill_method"], (B, C), (B, C, V))
-        try:
-            # Decode first: it carries the state's starting values (see _init_first_method_pass).
-            self._decode = program.load_method(meta["decode_method"])
-            self._prefill = (program.load_method(meta["prefill_method"])
-                             if meta["prefill_method"] is not None else None)
-        except Exception as e:
-            raise ExportFormatError(f"{path}: loading the step methods failed (truncated, or built "
-                                    f"with kernels this runtime lacks?): {e}") from e
-        self._batched = meta["decode_method"] != "forward"
-
-    def _check_signature(self, method: str, tokens_shape, logits_shape) -> None:
-        """Raises ExportFormatError unless the method's tensors match the stored config."""
-        if method not in self._program.method_names:
-            raise ExportFormatError(f"{self.path} has no {method!r} method")
-        mm = self._program.metadata(method)
-        got_in = tuple(mm.input_tensor_meta(0).sizes())
-        got_out = tuple(mm.output_tensor_meta(0).sizes())
-        if got_in != tuple(tokens_shape) or got_out != tuple(logits_shape):
-            raise ExportFormatError(
-                f"{self.path}: method {method!r} takes tokens {got_in} and returns logits {got_out}, "
-                f"but its stored config says {tuple(tokens_shape)} -> {tuple(logits_shape)} "
-                f"(a file from another config?)")
-
-    @property
-    def method_names(self) -> set[str]:
-        """Every method in the program (steps and constants)."""
-        return set(self._program.method_names)
-
-    def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        # The runtime rejects strided inputs (e.g. a column slice of the prompt).
-        tokens, input_pos, live = tokens.contiguous(), input_pos.contiguous(), live.contiguous()
-        # WHY one torch thread while the program runs: the call itself runs a parallel torch
-        # region, whose OpenMP worker then spin-waits on a core the XNNPACK threadpool needs
-        # (perf: 17% of a bench-model decode loop's samples in libgomp; 15.7 -> 13.1 ms/step
-        # with it, 2 cores). The caller's thread count is restored after the call.
-        with torch_threads(1):
-            return self._execute(tokens, input_pos, live)
-
-    def _execute(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        if tokens.shape[1] == 1:
-            if self._batched:
-                out = self._decode.execute([tokens, input_pos, live])[0]
-            elif bool(live.all()):
-                out = self._decode.execute([tokens, input_pos])[0]
-            else:
-                # `forward` (stock-runner signature) has no live flag: a dead token of a batch-1
-                # decode is a no-op, so skip the call (its logits are unspecified).
-                out = torch.zeros(1, self.config.vocab_size)
-            return out[:, None, :]
-        return self._prefill.execute([tokens, input_pos, live])[0]
-
-
-def load_pte(path) -> PteDecoder:
-    """Loads a `.pte` written by `export_pte` as a decoder with the `StaticDecoder` API.
-
-    Args:
-        path: the `.pte` file; everything else (config, batch size, chunk) is read from it.
-
-    Returns:
-        A `PteDecoder` (`prefill`, `decode`, `reset`, `generate`).
-
-    Raises:
-        FileNotFoundError: no such file.
-        ExportFormatError: not a (complete) program written by `export_pte`.
-    """
-    return PteDecoder(path)

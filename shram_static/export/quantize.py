@@ -11,7 +11,7 @@ import copy
 import torch
 from torch import nn
 
-from ..experts import FusedExperts, fuse_experts_
+from ..fast_layers import FusedExperts, fuse_experts_
 
 QUANTIZE_MODES = (None, "int8", "8da4w")
 GROUP = 32  # int4 group size: XNNPACK's blockwise int4 GEMM takes multiples of 32
@@ -61,32 +61,31 @@ def quantize_weights(model: nn.Module, mode: str = "int8", embedding: bool = Fal
       * "int8" ("8da8w"): every nn.Linear (lm_head included) takes dynamically quantized int8
         activations and int8 weights, one scale per output channel. WHY this config: it is
         the flow executorch 1.4.1's own LLM export uses, and XNNPACK lowers it to QD8 GEMMs
-        (probe: 0.37x file size, 5x faster linears). Weight-only int8 (`IntxWeightOnlyConfig`)
+        (about a third of the file size, several times faster linears). Weight-only int8 (`IntxWeightOnlyConfig`)
         lowered to a program that returned NaN with fp32-sized weights.
       * "8da4w": as "int8" but int4 linear weights with one scale per group of 32 inputs (what
         optimum-executorch ships for edge LLMs on XNNPACK); a layer whose input width is not a
         multiple of 32 (e.g. the bench config's 1366-wide down_proj) keeps int8 weights,
         because XNNPACK delegates only group sizes that are multiples of 32. The experts keep
         int8 weights too: int4 experts perturb the sparse path's output enough to flip later
-        layers' routing (golden random-weight models: argmax agreement with fp32 45-77%,
-        against 89-97% with int8 experts), for a saving of 0.25 MB per bench layer.
+        layers' routing (on random-weight models far more argmax flips against fp32 than with
+        int8 experts), for a small saving of bytes.
     A tied lm_head gets its own quantized copy of the table (int8 rows cannot feed XNNPACK's
     linear kernel, and a float head would be the largest weight a quantized step reads).
 
     The experts are fused first (`fuse_experts_`, as the export copy is), so their two linears
-    are quantized like the others. (Tried first: the experts gathered per token as int8 rows,
-    which made the bench model's int8 step 1.5x slower, 8.5 against 5.6 ms, as the rows were
-    widened to float by a portable `_to_dim_order_copy`; export/probes/README.md, section 10.)
+    are quantized like the others. (Gathering int8 expert rows per token instead is slower:
+    the rows are widened to float by a portable `_to_dim_order_copy`; docs/performance.md.)
 
     Args:
         model: a `ShramForCausalLM` (left untouched).
         mode: "int8" or "8da4w".
         embedding: also store the embedding as int8 rows (`Int8Embedding`): a quarter of the
-            table's bytes (the bench model's int8 file 203 -> 126 MB) at no measured step cost.
+            table's bytes at no measured step cost (docs/performance.md, "Quantization").
             Off by default (as in ExecuTorch's and optimum-executorch's LLM exports, where
             embedding quantization is its own option): it moves the first layer's routing
             input, and on the random-weight golden models that flips expert choices, adding
-            far more logit drift than the linears (export/probes/probe_quant_drift.py).
+            far more logit drift than the linears (bounded by tests/test_quant_drift.py).
 
     Returns:
         The quantized copy.

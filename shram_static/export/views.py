@@ -3,15 +3,15 @@
 Inside an XNNPACK delegate a reshape is an operator that copies its input, so the partitioner
 leaves reshapes of state buffers and of cache writes outside the delegates
 (`shram_static.export.partition`), where `to_executorch` makes them views. Two ExecuTorch
-behaviours (executorch 1.4.1) need mending for that:
+behaviours (ExecuTorch 1.4-1.5) need mending for that:
 - a view of a cache write (`index_put_`) is based on a spec that is never the buffer's
   (`written_cache_views_pass` re-bases it on the buffer);
 - a view of an initialised state buffer inherits the buffer's starting bytes and name, and the
   emitter stores the bytes again per view (`StateViewPlanning` plans it as a plain tensor at the
   buffer's place).
-Measured on the bench model's decode-only programs (one process, alternating runs, logits
-identical): batch 1 13.90 -> 12.80 ms, batch 4 22.34 -> 19.88 ms; the delegates had copied
-6.4 MB of written caches per layer per step at batch 4 (export/probes/README.md, section 9).
+Without them the delegates copy the written caches on every step (what that costs:
+docs/performance.md). Both use ExecuTorch's public hooks (a graph pass, a memory planning pass),
+so they are part of the program, not accelerators: the stock lowering writes the same program.
 """
 
 import torch
@@ -25,7 +25,7 @@ def written_cache_views_pass(gm: torch.fx.GraphModule):
     WHY: `ReplaceViewCopyWithViewPass` builds a view's spec on its base's spec before memory
     planning aliases an in-place op's result onto its input, so a view of an `index_put_` node
     points at a spec that is never the buffer, and read other memory (NaN logits in the golden
-    tests, executorch 1.4.1). The write returns its buffer, so the view's base is that buffer;
+    tests). The write returns its buffer, so the view's base is that buffer;
     graph order still runs every reader after the write.
 
     Args:
@@ -70,7 +70,7 @@ def _state_view_planning_cls():
         """`MemoryPlanningPass(share_mutable_buffers=True)` that plans every view of a state
         buffer as a plain tensor at the buffer's place. WHY: a view's spec reads the starting
         bytes and the name of the initialised buffer it views, and the emitter then stores those
-        bytes once more per view (+16 MB in the bench model's batch-1 `.pte`)."""
+        bytes once more per view (the whole state again in the file)."""
 
         def __init__(self):
             super().__init__(share_mutable_buffers=True)

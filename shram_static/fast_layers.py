@@ -1,36 +1,74 @@
-"""The sparse path's expert weights as the static steps read them.
+"""Fast-path layers, and the swaps that put them in place of the layers of `layers.py`.
 
-`BEA` (layers.py) holds the checkpoint layout, one (d, u) matrix per expert and projection, and
-gathers the selected experts' matrices per token (`gather_experts`, `mix_experts`): what eager
-and compiled torch run. `FusedExperts` is the layout an exported step reads: every expert's
-q, k, v as one linear layer and every expert's output projection as another, the selected
-experts picked from the outputs. `fuse_experts_` swaps it in on a copy of the model (a source
-transformation, as in ExecuTorch's llama example); the caller's model is never changed.
+Each swap is a source transformation on a copy of the model (as in ExecuTorch's llama example):
+the model a caller hands in is never changed.
+
+* `row_linear_` (the compiled decode step on CPU, up to FEW_ROWS rows): every bias-free
+  `nn.Linear` becomes a `RowLinear` over the same weight, on a `shared_copy`.
+* `fuse_experts_` (the exported steps, and quantization): every `BEA` becomes a `FusedExperts`,
+  every expert as one linear layer each way, on a copy that owns its weights.
 """
 
+import copy
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from .layers import MoSRAH
 
-def gather_experts(w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Weights of the selected experts: w (L, a, b), idx (B, C, K) -> (B, C, K, a, b).
+FEW_ROWS = 8  # compiled decode batches up to this size run their projections as RowLinear
 
-    One 1-D index_select over the leading dim, not `w[idx]`: ExecuTorch runs the latter as an
-    element-wise portable index.Tensor (measured 0.9 ms per projection per layer per token) and
-    the former as a copy of K contiguous (a, b) blocks (0.05 ms).
+
+def shared_copy(model: nn.Module) -> nn.Module:
+    """A copy of the module tree that shares every parameter and buffer with `model`.
+
+    A decoder swaps modules on this copy, so the model it was given never changes and the
+    weights are held once.
     """
-    return w.index_select(0, idx.reshape(-1)).view(*idx.shape, *w.shape[1:])
+    memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return copy.deepcopy(model, memo)
 
 
-def mix_experts(o_proj: torch.Tensor, y: torch.Tensor, P: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """sum_k P_k y_k o_proj[idx_k]: y (B, C, K, u), P (B, C, K), idx (B, C, K) -> (B, C, d).
+class RowLinear(nn.Module):
+    """`nn.Linear` (no bias) for the compiled decode step on CPU.
 
-    One batched matmul per token over its K experts' stacked (u, d) rows (`bmm`, not `@`: see
-    `masked_attention`).
+    Up to FEW_ROWS rows: per row, an elementwise product reduced over the input width
+    (accumulated in fp32). Inductor fuses the n reductions into one pass over the row-major
+    `weight` with n accumulators, at near the machine's read bandwidth. WHY: a decode step is
+    GEMVs, and MKL's GEMV reads the weight well below that bandwidth; at a few rows MKL's sgemm
+    re-reads W per row (docs/performance.md, "Compiled"). More rows (prefill) go to F.linear.
+
+    Args:
+        weight: (out, in), shared with the module it replaces (never copied).
     """
-    B, C, K, u = y.shape
-    wo = gather_experts(o_proj, idx).view(B * C, K * u, -1)  # (BC, K*u, d)
-    return torch.bmm((y * P[..., None]).reshape(B * C, 1, K * u), wo).view(B, C, -1)
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., in) -> (..., out) in x's dtype."""
+        w = self.weight
+        n = x.numel() // x.shape[-1]  # rows
+        if n > FEW_ROWS or not w.is_contiguous():
+            return F.linear(x, w)
+        xs = x.reshape(n, -1).float()  # (n, in)
+        wf = w.float()
+        y = torch.stack([(xs[r] * wf).sum(-1) for r in range(n)])  # (n, out)
+        return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])  # (..., out)
+
+
+def row_linear_(model: nn.Module) -> nn.Module:
+    """Replaces every bias-free nn.Linear of `model` (and a tied lm_head) by a `RowLinear` over
+    the same weight, in place; returns `model`. Use on a `shared_copy`."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and child.bias is None:
+                setattr(parent, name, RowLinear(child.weight))
+    if getattr(model, "lm_head", 0) is None:  # tied: the head reads the embedding table
+        model.lm_head = RowLinear(model.embed_tokens.weight)
+    return model
 
 
 class FusedExperts(nn.Module):
@@ -39,13 +77,11 @@ class FusedExperts(nn.Module):
 
     Same interface as `BEA` (`select`, `project`, `output`, `project_all`, `output_all`). WHY every
     expert instead of the K selected: gathering the selected experts' blocks is a portable copy,
-    per token, of weights the step then reads again (at prefill, 32 tokens copied 12.5 MB per
-    bench layer), while one linear
-    over all L experts is a single weight read in an XNNPACK delegate, and a token's K results
-    are picked from its small output. Measured on the bench model's `.pte` against gathering:
-    decode 10.9 vs 11.3 ms at batch 1 (though it reads L/K times the expert bytes), 16.5 vs
-    17.5 ms at batch 4, prefill 1.23x faster; int8 decode 5.2 vs 5.8 ms, as nn.Linear layers
-    are quantized like every other projection (export/probes/README.md, section 10).
+    per token, of weights the step then reads again, while one linear over all L experts is a
+    single weight read in an XNNPACK delegate, and a token's K results are picked from its small
+    output. It is faster at decode and prefill, fp32 and int8 (its two nn.Linear layers are
+    quantized like every other projection), though it reads L/K times the expert bytes
+    (docs/performance.md).
 
     Args:
         bea: the `BEA` whose weights it takes (copied into the fused layout; not kept).
@@ -115,8 +151,6 @@ def fuse_experts_(model: nn.Module) -> nn.Module:
     Use on a model copy that owns its weights (an export copy): the fused weights are new, and
     the replaced `BEA` tensors are dropped with it.
     """
-    from .layers import MoSRAH
-
     for m in model.modules():
         if isinstance(m, MoSRAH) and not isinstance(m.bea, FusedExperts):
             m.bea = FusedExperts(m.bea)

@@ -1,0 +1,63 @@
+"""Where the compiled decode step's time goes, per Inductor kernel and host-side call.
+
+Compiles `StaticDecoder(compile=True)` at each batch size, fills the state to `--context`, then
+runs `--steps` decode steps under torch.profiler with Inductor's per-kernel profiling on
+(`cpp.enable_kernel_profile`, which names each generated C++ kernel in the trace), and prints
+the entries that take the most self CPU time per step.
+
+    python benchmarks/compiled_profile.py [--model bench|builtin|DIR] [--batch-sizes 1 4]
+"""
+
+import argparse
+import sys
+import time
+
+import torch
+
+
+def profile(model, batch_size: int, context: int, steps: int, top: int) -> None:
+    """Prints the warm-up time, ms per step under the profiler, and the top entries."""
+    from shram_static import StaticDecoder
+
+    V, B = model.config.vocab_size, batch_size
+    dec = StaticDecoder(model, batch_size=B, prefill_chunk=32, compile=True)
+    ids = torch.randint(0, V, (B, context + 1), generator=torch.Generator().manual_seed(0))
+    t = time.perf_counter()
+    dec.prefill(ids[:, :context])
+    for _ in range(6):
+        dec.decode(ids[:, context])
+    print(f"B={B}: warm-up {time.perf_counter() - t:.1f} s")
+    if int(dec.live_counts.max()) + steps > dec.capacity:
+        raise ValueError(f"--context {context} + --steps {steps} exceed the capacity {dec.capacity}")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            dec.decode(ids[:, context])
+        wall = (time.perf_counter() - t) / steps * 1e3
+    print(f"B={B}: {wall:.2f} ms/step under the profiler")
+    rows = sorted(((e.self_cpu_time_total / steps / 1e3, e.count // steps, e.key) for e in prof.key_averages()),
+                  reverse=True)
+    print(f"  self CPU ms/step total {sum(r[0] for r in rows):.2f}")
+    for ms, n, key in rows[:top]:
+        print(f"  {ms:7.3f} ms  x{n:<4d} {key[:90]}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="bench", help="bench, builtin or a checkpoint directory")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--context", type=int, default=64, help="tokens prefilled before profiling")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--top", type=int, default=25, help="entries printed per batch size")
+    args = p.parse_args(argv)
+    from shram_static.bench import build_model
+
+    model = build_model(args.model).eval()
+    with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
+        for B in args.batch_sizes:
+            profile(model, B, args.context, args.steps, args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

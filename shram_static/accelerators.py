@@ -1,0 +1,259 @@
+"""Accelerators: every speed-up that patches or re-implements a private internal of torch
+(Inductor, Dynamo, torch.fx, torch.export, the ONNX exporter), ExecuTorch or onnxscript,
+registered in one place with the releases it was verified on.
+
+An accelerator runs only where every package it touches is at a release it was verified on
+(the stock path and the accelerated one compared by tests/test_accelerators.py and the tests of
+its own module); anywhere else it stays off, the stock path runs, and one debug-level line says
+so. `SHRAM_STATIC_STOCK=1` in the environment, or `set_stock(True)` / `with stock():` in
+Python, turns every one of them off; `SHRAM_STATIC_STOCK=name,name` turns off the named ones
+(for measuring one against the stock path). What each one buys is in docs/performance.md.
+
+A leaf module: it imports nothing of the package, and neither torch nor ExecuTorch (versions
+are read from the installed distributions' metadata).
+"""
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import re
+from importlib import metadata
+
+log = logging.getLogger(__name__)
+
+STOCK_ENV = "SHRAM_STATIC_STOCK"
+
+# The releases the accelerators were verified on (their tests pass, stock and accelerated
+# paths compared); a local build tag (`+cpu`, `+cu130`) is ignored.
+TORCH = ("2.13.0", "2.14.1")
+EXECUTORCH = ("1.4.1", "1.5.1")
+ONNXSCRIPT = ("0.7.2",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """One registered accelerator.
+
+    Attributes:
+        name: the name `SHRAM_STATIC_STOCK` and `enabled` take.
+        where: the function or module of this package that applies it.
+        internals: the private names it patches or re-implements.
+        verified: distribution name -> the releases it was verified on.
+    """
+
+    name: str
+    where: str
+    internals: str
+    verified: dict
+
+
+def _acc(name, where, internals, **verified) -> Accelerator:
+    return Accelerator(name, where, internals, {k.replace("_", "-"): v for k, v in verified.items()})
+
+
+REGISTRY: dict[str, Accelerator] = {a.name: a for a in [
+    # compiled steps (torch.compile)
+    _acc("isa_check_ahead", "cpu_isa.start_isa_checks",
+         "torch._inductor.cpu_vec_isa.valid_vec_isa_list", torch=TORCH),
+    _acc("batched_kernel_builds", "kernel_builds.batched_builds",
+         "torch._inductor.async_compile.AsyncCompile.cpp_pybinding, CppPythonBindingsCodeCache templates",
+         torch=TORCH),
+    _acc("skip_guards", "decoder.StaticDecoder(skip_guards=True)",
+         "torch._dynamo.eval_frame._stance; Dynamo's error message under skip_guard_eval_unsafe",
+         torch=TORCH),
+    # .pte lowering (each leaves the program as the stock lowering writes it)
+    _acc("one_trace_lowering", "export.lowering.export_and_lower, export.decompose.export_decomposed",
+         "torch.export._trace._export/_export_to_aten_ir; executorch.exir.program._program "
+         "._generate_edge_program/_default_decomposition_table", torch=TORCH, executorch=EXECUTORCH),
+    _acc("needed_xnnpack_passes", "export.lowering.needed_xnnpack_passes_only",
+         "executorch.backends.xnnpack._passes.XNNPACKPassManager.__init__", executorch=EXECUTORCH),
+    _acc("needed_edge_passes", "export.lowering.needed_edge_passes_only",
+         "executorch.exir.program._program._get_aten_to_edge_passes/edge_to_executorch_passes",
+         executorch=EXECUTORCH),
+    _acc("one_edge_conversion_trace", "export.edge_conversion.one_edge_conversion_trace",
+         "executorch.exir.program._program._generate_edge_program and its pass classes; "
+         "torch._export.passes.ReplaceViewOpsWithViewCopyOpsPass", torch=TORCH, executorch=EXECUTORCH),
+    _acc("delegate_outputs_from_metadata", "export.lowering.delegate_outputs_from_metadata",
+         "torch._higher_order_ops.executorch_call_delegate.call_delegate_cpu", torch=TORCH,
+         executorch=EXECUTORCH),
+    _acc("linear_partitioning", "export.lowering.faster_partitioning",
+         "GroupBasedPartitioner._can_merge_partitions; lowered_backend_module.legalize_graph",
+         torch=TORCH, executorch=EXECUTORCH),
+    _acc("shared_provenance", "export.bookkeeping.shared_provenance",
+         "torch.fx.traceback.NodeSource.__deepcopy__", torch=TORCH),
+    _acc("lazy_recompiles", "export.bookkeeping.lazy_recompiles",
+         "torch.fx.GraphModule.recompile/code/__str__", torch=TORCH),
+    _acc("cached_type_hints", "export.bookkeeping.cached_type_hints",
+         "executorch.exir._serialize._dataclass.get_type_hints", executorch=EXECUTORCH),
+    _acc("mutable_buffers_listed_once", "export.bookkeeping.mutable_buffers_listed_once",
+         "executorch.exir.memory_planning._is_mutable_buffer; MemoryPlanningPass.run",
+         executorch=EXECUTORCH),
+    _acc("parallel_lowering", "export.forked.run_jobs + export.edge_transfer",
+         "executorch.exir.serde; LoweredBackendModule._named_data_store_output", torch=TORCH,
+         executorch=EXECUTORCH),
+    # .onnx export
+    _acc("one_trace_onnx_export", "export.decompose.onnx_decomposed",
+         "torch.onnx._internal.exporter._decomp/_fx_passes.decompose_with_registry", torch=TORCH),
+    _acc("skip_onnx_slices_split", "export.lowering.without_onnx_rewrite_rules",
+         "onnxscript.rewriter._DEFAULT_REWRITE_RULES", onnxscript=ONNXSCRIPT),
+]}
+
+_stock: bool | None = None  # set_stock's value; None: the environment decides
+
+
+def set_stock(value: bool | None) -> None:
+    """Turns every accelerator off (True), back to the default (False: each where verified), or
+    leaves the choice to `SHRAM_STATIC_STOCK` (None, the default). Takes effect at the next
+    compile or export; a step compiled before keeps what it was compiled with."""
+    global _stock
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"set_stock takes True, False or None, got {value!r}")
+    _stock = value
+
+
+@contextlib.contextmanager
+def stock():
+    """Every accelerator off within the block (`set_stock(True)`), the previous choice after."""
+    global _stock
+    before = _stock
+    _stock = True
+    try:
+        yield
+    finally:
+        _stock = before
+
+
+def _env_off() -> frozenset | bool:
+    """True (all off), or the names `SHRAM_STATIC_STOCK` turns off."""
+    raw = os.environ.get(STOCK_ENV, "").strip()
+    if raw.lower() in ("", "0", "false", "no", "off"):
+        return frozenset()
+    if raw.lower() in ("1", "true", "yes", "on", "all"):
+        return True
+    names = frozenset(n.strip() for n in raw.split(",") if n.strip())
+    unknown = sorted(names - set(REGISTRY))
+    if unknown:
+        _log_once(("env", raw), logging.WARNING, "%s=%r names no accelerator: %s (known: %s)",
+                  STOCK_ENV, raw, ", ".join(unknown), ", ".join(REGISTRY))
+    return names
+
+
+def public_version(v: str | None) -> str | None:
+    """'2.14.1' for '2.14.1+cu130' (the local build tag dropped); None stays None."""
+    return None if v is None else v.split("+", 1)[0]
+
+
+@functools.cache
+def installed_version(dist: str) -> str | None:
+    """The installed release of a distribution (local tag dropped), None if not installed."""
+    try:
+        return public_version(metadata.version(dist))
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def _log_once(key, level, msg, *args) -> None:
+    log.log(level, msg, *args)
+
+
+def unverified(name: str) -> list[str]:
+    """'torch 2.15.0' for each package the accelerator touches that is not at a verified release."""
+    acc = REGISTRY[name]
+    return [f"{dist} {installed_version(dist)}" for dist, ok in acc.verified.items()
+            if installed_version(dist) not in ok]
+
+
+def enabled(name: str) -> bool:
+    """Whether the accelerator `name` runs here: not turned off (`set_stock`, `stock()`,
+    `SHRAM_STATIC_STOCK`) and every package it touches at a release it was verified on.
+
+    Raises:
+        KeyError: `name` is not registered.
+    """
+    if name not in REGISTRY:
+        raise KeyError(f"no accelerator {name!r}; registered: {', '.join(REGISTRY)}")
+    if _stock is True:
+        return False
+    if _stock is None:
+        off = _env_off()
+        if off is True or name in off:
+            _log_once((name, "env"), logging.DEBUG, "accelerator %s off (%s); the stock path runs",
+                      name, STOCK_ENV)
+            return False
+    bad = unverified(name)
+    if bad:
+        acc = REGISTRY[name]
+        _log_once((name, "versions"), logging.DEBUG,
+                  "accelerator %s off: %s not among the releases it was verified on (%s); the stock path runs",
+                  name, ", ".join(bad), "; ".join(f"{d} {', '.join(v)}" for d, v in acc.verified.items()))
+        return False
+    return True
+
+
+def report() -> list[dict]:
+    """One row per accelerator: name, where, internals, verified releases, and whether it runs here."""
+    return [{"name": a.name, "where": a.where, "internals": a.internals,
+             "verified": {d: list(v) for d, v in a.verified.items()}, "enabled": enabled(a.name)}
+            for a in REGISTRY.values()]
+
+
+# ----------------------------------------------------------------------------------------
+# Supported versions (checked when the package is imported)
+# ----------------------------------------------------------------------------------------
+
+# Oldest supported release of each core dependency, and the newest release line tested.
+SUPPORTED = {"torch": ((2, 13), (2, 14)), "executorch": ((1, 4), (1, 5))}
+
+
+class UnsupportedVersionError(ImportError):
+    """An installed torch or ExecuTorch older than this package supports."""
+
+
+def _major_minor(v: str) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", v or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def supported_text() -> str:
+    """'torch 2.13-2.14, executorch 1.4-1.5'."""
+    return ", ".join(f"{d} {lo[0]}.{lo[1]}-{hi[0]}.{hi[1]}" for d, (lo, hi) in SUPPORTED.items())
+
+
+def check_versions(versions: dict | None = None) -> list[str]:
+    """Checks torch and ExecuTorch against `SUPPORTED`.
+
+    Args:
+        versions: distribution -> version string (None: not installed); default the installed ones.
+
+    Returns:
+        One line per package newer than the newest release line tested (it may work; every
+        accelerator that touches it is off).
+
+    Raises:
+        UnsupportedVersionError: torch missing, or torch / ExecuTorch older than supported;
+            the message names the supported versions and the command that installs them.
+    """
+    if versions is None:
+        versions = {d: installed_version(d) for d in SUPPORTED}
+    newer = []
+    for dist, (lo, hi) in SUPPORTED.items():
+        v = versions.get(dist)
+        if v is None:
+            if dist == "torch":
+                raise UnsupportedVersionError(f"shram_static needs torch ({supported_text()}); "
+                                              f"none is installed: pip install 'torch>={lo[0]}.{lo[1]}'")
+            continue
+        mm = _major_minor(v)
+        if mm is None:
+            continue  # a development build without a release number: let it run
+        if mm < lo:
+            raise UnsupportedVersionError(
+                f"shram_static supports {supported_text()}; {dist} {v} is installed. "
+                f"pip install -U '{dist}>={lo[0]}.{lo[1]}' (or a release of shram_static made for it)")
+        if mm > hi:
+            newer.append(f"{dist} {v} is newer than the releases shram_static was tested with "
+                         f"({supported_text()}); its accelerators are off (the stock paths run)")
+    return newer

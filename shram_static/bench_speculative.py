@@ -1,0 +1,154 @@
+"""Speculative decoding benchmark: `shram-static bench-speculative`.
+
+For one model and backend at batch 1 it reports, measured in one process and interleaved
+(plain, speculative, plain, ... so the ratios compare runs seconds apart on a shared machine):
+- the cost of one verify step of `--speculate` + 1 tokens against one decode step (median of
+  alternating calls at the same context);
+- per prompt, greedy tokens/s of plain decoding and of speculative decoding with prompt lookup
+  (same tokens, checked), their ratio, guesses kept per verify step, and the k chosen.
+Prompts: "grounded", a passage followed by its opening again (what quoting, editing and
+summarising look like: the continuation is in the prompt), and "free", a two-word opening.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from .console import info
+
+# The opening of Shakespeare's Sonnet 18 (public domain): the passage of the grounded prompt.
+PASSAGE = ("Shall I compare thee to a summer's day?\nThou art more lovely and more temperate:\n"
+           "Rough winds do shake the darling buds of May,\nAnd summer's lease hath all too short a date;\n"
+           "Sometime too hot the eye of heaven shines,\nAnd often is his gold complexion dimm'd;\n"
+           "And every fair from fair sometime declines,\nBy chance or nature's changing course untrimm'd;\n"
+           "But thy eternal summer shall not fade,\nNor lose possession of that fair thou ow'st;\n")
+PROMPTS = {"grounded": PASSAGE + "\n" + PASSAGE[:80], "free": "ROMEO:"}
+
+
+def _decoder(model, backend: str, k: int, stack):
+    if backend in ("eager", "compiled"):
+        from .decoder import StaticDecoder
+        return StaticDecoder(model, batch_size=1, prefill_chunk=32, compile=backend == "compiled",
+                             verify_len=k + 1)
+    import os
+    import tempfile
+    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="shram_spec_"))
+    if backend == "pte":
+        from .export import export_pte, load_pte
+        info("exporting the .pte (with a verify method) ...")
+        return load_pte(export_pte(model, os.path.join(tmp, "m.pte"), verify_len=k + 1))
+    from .export import export_onnx, load_onnx
+    info("exporting the .onnx (with a verify graph) ...")
+    return load_onnx(export_onnx(model, os.path.join(tmp, "m.onnx"), verify_len=k + 1)["decode"])
+
+
+def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> tuple[float, float]:
+    """Median seconds of a decode step and of a verify step of k + 1 tokens at context ctx
+    (each verify rolled back, so both run at the same positions), by `clock`."""
+    V = dec.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    dec.reset()
+    dec.prefill(torch.randint(0, V, (1, ctx), generator=gen), last_only=True)
+    td, tv = [], []
+    for _ in range(steps):
+        ids = torch.randint(0, V, (1, k + 1), generator=gen)
+        t0 = clock()
+        dec.decode(ids[:, 0])
+        t1 = clock()
+        dec.rollback(1)
+        t2 = clock()
+        dec.verify(ids)
+        t3 = clock()
+        dec.rollback(k + 1)
+        td.append(t1 - t0)
+        tv.append(t3 - t2)
+    return statistics.median(td), statistics.median(tv)
+
+
+def run_prompt(dec, ids: torch.Tensor, n: int, k: int, rounds: int, clock=time.perf_counter) -> dict:
+    from transformers.generation.logits_process import LogitsProcessorList
+
+    from .speculative import speculative_generate
+    live = torch.ones_like(ids, dtype=torch.bool)
+    plain_s, spec_s, stats = [], [], {}
+    for _ in range(rounds):
+        t0 = clock()
+        want = dec.generate(ids, max_new_tokens=n)
+        t1 = clock()
+        got = speculative_generate(dec, ids, live, n, False, LogitsProcessorList(), None, None, 0, None, k,
+                                   None, stats)
+        t2 = clock()
+        if not torch.equal(got, want):
+            raise RuntimeError("speculative greedy tokens differ from plain greedy decoding's")
+        plain_s.append(t1 - t0)
+        spec_s.append(t2 - t1)
+    p, s = statistics.median(plain_s), statistics.median(spec_s)
+    ks = stats["k"]
+    return {"plain_tok_s": n / p, "spec_tok_s": n / s, "speedup": p / s, "verify_steps": stats["rounds"],
+            "decode_steps": stats["decodes"], "kept_per_verify": stats["accepted"] / max(1, stats["rounds"]),
+            "tokens_per_step": n / max(1, stats["rounds"] + stats["decodes"]),
+            "k_mean": sum(ks) / max(1, len(ks))}
+
+
+def bench_speculative(args) -> int:
+    """The `bench-speculative` subcommand."""
+    import contextlib
+
+    from .bench import build_model
+    from .tokenizer import ByteTokenizer
+
+    model = build_model(args.model).eval()
+    k = args.speculate
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # CPU time of the process (all its threads): what the steps compute, without the time spent
+    # waiting for a core on a shared machine (use one thread: spinning threads would count).
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    with contextlib.ExitStack() as stack:
+        dec = _decoder(model, args.backend, k, stack)
+        info(f"{args.model} on {args.backend}, batch 1, k = {k}: warming up ...")
+        dec.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+        dec.generate(torch.tensor([[1, 2, 3, 1, 2]]), max_new_tokens=4, speculate=k)
+        step_costs(dec, k, 64, 3)
+        td, tv = step_costs(dec, k, args.context, args.steps, clock)
+        print(f"{args.model} {args.backend}: decode step {td * 1e3:.2f} ms, verify step of {k + 1} tokens "
+              f"{tv * 1e3:.2f} ms: verify / decode = {tv / td:.2f} (context {args.context})")
+        if args.model == "bench" and not args.prompts:
+            return 0
+        tok = ByteTokenizer()
+        for name in args.prompts or list(PROMPTS):
+            ids = torch.tensor([tok.encode(PROMPTS[name])])
+            r = run_prompt(dec, ids, args.max_new_tokens, k, args.rounds, clock)
+            print(f"{name} ({ids.shape[1]} prompt tokens, {args.max_new_tokens} new): plain {r['plain_tok_s']:.0f} "
+                  f"tok/s, speculative {r['spec_tok_s']:.0f} tok/s = {r['speedup']:.2f}x; {r['verify_steps']} verify "
+                  f"+ {r['decode_steps']} decode steps, {r['kept_per_verify']:.2f} guesses kept per verify, "
+                  f"{r['tokens_per_step']:.2f} tokens per step, mean k {r['k_mean']:.2f}")
+    return 0
+
+
+def register(subparsers) -> None:
+    """Adds the `bench-speculative` subcommand to the CLI."""
+    p = subparsers.add_parser("bench-speculative", help="speculative (prompt lookup) vs plain greedy decoding, "
+                                                        "and a verify step's cost against a decode step's")
+    p.add_argument("--model", default="builtin", help="'builtin', 'bench' or a checkpoint directory")
+    p.add_argument("--backend", default="compiled", choices=["eager", "compiled", "pte", "onnx"])
+    p.add_argument("--speculate", type=int, default=4, metavar="K", help="guesses per verify step")
+    p.add_argument("--max-new-tokens", type=int, default=400, metavar="N")
+    p.add_argument("--prompts", nargs="*", choices=list(PROMPTS), help="default: all (none for the bench model)")
+    p.add_argument("--context", type=int, default=256, help="context of the step-cost measurement")
+    p.add_argument("--steps", type=int, default=40, help="alternating decode/verify steps timed")
+    p.add_argument("--rounds", type=int, default=3, help="plain/speculative runs per prompt, alternating")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time by the process's CPU time instead of wall time (a loaded, shared machine)")
+    p.set_defaults(func=bench_speculative)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m shram_static.bench_speculative", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = p.parse_args(["bench-speculative", *(argv or [])])
+    return bench_speculative(args)

@@ -1,0 +1,23 @@
+"""The package's own exceptions, each a `ValueError` a caller can catch by name.
+
+A leaf module (it imports nothing of the package), so every layer raises them without
+importing the layer that documents them.
+"""
+
+
+class CapacityError(ValueError):
+    """A row would hold more live tokens than the decoder's capacity."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded: the message says which file or key."""
+
+
+class ExportFormatError(ValueError):
+    """A file that is not a loadable export of this package (truncated, corrupt, foreign, or
+    from another export); a missing file raises FileNotFoundError instead."""
+
+
+class NonFiniteLogitsError(ValueError):
+    """A step produced NaN or Inf logits for a live token (bad weights, or an overflow in a low
+    precision dtype); nothing was sampled from them."""

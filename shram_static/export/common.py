@@ -1,0 +1,58 @@
+"""What the exporters and the runtime loaders share: format ids, file names, argument checks,
+and the model copy every export starts from."""
+
+import copy
+import os
+
+import torch
+from torch import nn
+
+from ..config import ShramConfig
+from ..fast_layers import fuse_experts_
+
+PTE_FORMAT = "shram_static.pte/1"
+# file_identifier of the ExecuTorch flatbuffer (bytes 4..8 of every .pte written by 1.x).
+PTE_MAGIC = b"ET12"
+ONNX_FORMAT = "shram_static.onnx/1"
+
+
+def check_export_args(cfg: ShramConfig, batch_size, prefill_chunk, eos_token_id, bos_token_id=None) -> None:
+    """Raises ValueError on export arguments that cannot make a program (shared by .pte/.onnx)."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+    for name, tid in (("eos_token_id", eos_token_id), ("bos_token_id", bos_token_id)):
+        if tid is not None and not 0 <= int(tid) < cfg.vocab_size:
+            raise ValueError(f"{name} {tid} is outside the vocabulary [0, {cfg.vocab_size})")
+
+
+def export_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` in eval mode, every parameter and buffer contiguous, with the expert
+    weights in the exported step's fused layout (`fuse_experts_`).
+
+    WHY: exporting (and quantizing) must not touch the caller's model, and a caller may hand
+    in transposed or sliced weights; the exporters and XNNPACK's weight serialisation are only
+    exercised on the default row-major layout.
+    """
+    m = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        for t in list(m.parameters()) + list(m.buffers()):
+            if not t.is_contiguous():
+                t.data = t.data.contiguous()
+    return fuse_experts_(m)
+
+
+def graph_paths(path, verify: bool = False) -> dict[str, str]:
+    """The files of one export: {"decode": m.onnx, "prefill": m.prefill.onnx, "data": m.onnx.data},
+    and with `verify` also "verify": m.verify.onnx (an export with a verify step).
+
+    Args:
+        path: the decode graph's path (`m.onnx`).
+    """
+    path = os.fspath(path)
+    stem = path[:-5] if path.endswith(".onnx") else path
+    out = {"decode": path, "prefill": stem + ".prefill.onnx", "data": path + ".data"}
+    if verify:
+        out["verify"] = stem + ".verify.onnx"
+    return out

@@ -1,0 +1,178 @@
+"""Runs the graphs written by `export_onnx` in onnxruntime behind the `StaticDecoder` API
+(`OnnxDecoder`, `load_onnx`). Imports onnx / onnxruntime only inside its functions, never the
+exporter."""
+
+import json
+import os
+
+import numpy as np
+import torch
+
+from ..config import ShramConfig
+from ..errors import ExportFormatError
+from ..host import HostDecoder
+from .common import ONNX_FORMAT, graph_paths
+
+_NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+              "tensor(bool)": np.bool_, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
+              "tensor(uint8)": np.uint8}
+
+
+def _read_meta(path: str) -> tuple[dict, dict]:
+    """(config dict, export dict) from a graph's metadata_props, without loading weights."""
+    import onnx
+    try:
+        m = onnx.load(path, load_external_data=False)
+    except Exception as e:  # protobuf DecodeError and friends
+        raise ExportFormatError(f"{path} is not a readable ONNX model (truncated or corrupt?): {e}") from e
+    props = {p.key: p.value for p in m.metadata_props}
+    if "shram_export" not in props or "shram_config" not in props:
+        raise ExportFormatError(f"{path} has no shram metadata: it was not written by "
+                                f"shram_static.export.export_onnx")
+    meta = json.loads(props["shram_export"])
+    if meta.get("format") != ONNX_FORMAT:
+        raise ExportFormatError(f"{path} has format {meta.get('format')!r}; this version reads {ONNX_FORMAT!r}")
+    return json.loads(props["shram_config"]), meta
+
+
+class _Graph:
+    """One onnxruntime session with a reusable IOBinding and a preallocated logits buffer."""
+
+    def __init__(self, path: str, threads: int | None):
+        import onnxruntime as ort
+        so = ort.SessionOptions()
+        if threads:
+            so.intra_op_num_threads = threads
+        try:
+            self.sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        except Exception as e:
+            raise ExportFormatError(f"onnxruntime cannot load {path} (truncated, or its .data file "
+                                    f"is missing or damaged?): {e}") from e
+        self.inputs = {i.name: i for i in self.sess.get_inputs()}
+        self.binding = self.sess.io_binding()
+        shape = self.sess.get_outputs()[0].shape
+        self.logits = np.zeros(shape, dtype=_NP_DTYPES[self.sess.get_outputs()[0].type])
+        self._logits_ov = ort.OrtValue.ortvalue_from_numpy(self.logits)
+        self.binding.bind_ortvalue_output("logits", self._logits_ov)
+
+    def bind_state(self, names, past, present) -> None:
+        for n, a, b in zip(names, past, present):
+            self.binding.bind_ortvalue_input(f"past.{n}", a)
+            self.binding.bind_ortvalue_output(f"present.{n}", b)
+
+    def run(self, ids: np.ndarray, pos: np.ndarray, live: np.ndarray) -> np.ndarray:
+        self._keep = (ids, pos, live)  # the binding points into these arrays until the run ends
+        self.binding.bind_cpu_input("input_ids", ids)
+        self.binding.bind_cpu_input("position_ids", pos)
+        self.binding.bind_cpu_input("live", live)
+        self.sess.run_with_iobinding(self.binding)
+        return self.logits.copy()
+
+
+class OnnxDecoder(HostDecoder):
+    """`HostDecoder` over the graphs written by `export_onnx`, run in onnxruntime.
+
+    The state lives in OrtValues that never leave onnxruntime between steps. With
+    `inplace=True` each `present.X` output is bound to the very OrtValue of `past.X`, so a step
+    updates the state where it lies (no copy of the whole state per step); this is correct
+    because no node of the graphs reads an old state tensor after writing it (tested against
+    `inplace=False`, which alternates two state sets).
+
+    Args:
+        path: the decode graph `m.onnx` (`m.prefill.onnx` and `m.onnx.data` beside it; a
+            decode-only export has no prefill graph and feeds prompts token by token).
+        inplace: alias outputs to inputs (fast) or alternate two state sets (reference).
+        threads: onnxruntime intra-op threads (default: onnxruntime's choice).
+    """
+
+    def __init__(self, path, inplace: bool = True, threads: int | None = None):
+        import onnxruntime as ort
+        paths = graph_paths(path, verify=True)
+        _need_file(paths["decode"])
+        cfg_d, meta = _read_meta(paths["decode"])
+        if meta.get("role") != "decode":
+            raise ExportFormatError(f"{paths['decode']} holds the {meta.get('role')!r} graph, expected decode")
+        roles = meta.get("roles", ["decode", "prefill"])  # absent: written before decode-only exports
+        for role in [r for r in roles if r != "decode"] + ["data"]:
+            _need_file(paths[role])
+        for role in [r for r in roles if r != "decode"]:
+            _, meta_p = _read_meta(paths[role])
+            if meta_p.get("role") != role:
+                raise ExportFormatError(f"{paths[role]} holds the {meta_p.get('role')!r} graph, "
+                                        f"expected {role}")
+            if meta_p.get("export_id") != meta.get("export_id"):
+                raise ExportFormatError(f"{paths[role]} comes from another export than "
+                                        f"{paths['decode']} (export ids differ): re-export both")
+        config = ShramConfig.from_dict(cfg_d)
+        super().__init__(config, meta["batch_size"], meta["prefill_chunk"], meta.get("eos_token_id"))
+        self.paths, self.meta, self.inplace = paths, meta, inplace
+        self.names = list(meta["state_names"])
+        # Rollback: the limit the state was built for (absent: an export from before rollback
+        # support, whose state cannot roll back), and the verify graph's length if it has one.
+        self.rollback_limit = int(meta.get("rollback_limit") or 0)
+        self.verify_len = meta.get("verify_len") if "verify" in roles else None
+        self._graphs = {role: _Graph(paths[role], threads) for role in roles}
+        B, C, V = self.batch_size, self.prefill_chunk, config.vocab_size
+        for role, g in self._graphs.items():
+            c = {"decode": 1, "prefill": C, "verify": self.verify_len}[role]
+            if g.inputs["input_ids"].shape != [B, c] or list(g.logits.shape) != [B, c, V]:
+                raise ExportFormatError(f"{paths[role]} takes input_ids {g.inputs['input_ids'].shape} and "
+                                        f"returns logits {list(g.logits.shape)}, but its config says "
+                                        f"{[B, c]} -> {[B, c, V]} (a file from another config?)")
+        # Starting state: zeros (finite; stale slots are masked by position, never cleared).
+        dec_in = self._graphs["decode"].inputs
+        self._arrays = [[np.zeros(dec_in[f"past.{n}"].shape, _NP_DTYPES[dec_in[f"past.{n}"].type])
+                         for n in self.names] for _ in range(1 if inplace else 2)]
+        # OrtValue.ortvalue_from_numpy does not own the array: self._arrays keeps them alive.
+        self._state = [[ort.OrtValue.ortvalue_from_numpy(a) for a in arrs] for arrs in self._arrays]
+        if inplace:
+            for g in self._graphs.values():
+                g.bind_state(self.names, self._state[0], self._state[0])
+
+    def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[1]
+        g = self._graphs["decode" if n == 1 else "prefill" if n == self.prefill_chunk and "prefill" in self._graphs
+                         else "verify"]
+        if not self.inplace:
+            g.bind_state(self.names, self._state[0], self._state[1])
+            self._state.reverse()  # after this run the outputs are the current state
+            self._arrays.reverse()
+        out = g.run(np.ascontiguousarray(tokens.numpy(), dtype=np.int64),
+                    np.ascontiguousarray(input_pos.numpy(), dtype=np.int64),
+                    np.ascontiguousarray(live.numpy(), dtype=np.bool_))
+        return torch.from_numpy(out)
+
+    def _reset_state(self) -> None:
+        # Not needed for correctness (position 0 masks every stale slot); keeps a reset
+        # decoder byte-identical to a fresh one.
+        for arrs in self._arrays:
+            for a in arrs:
+                a.fill(0)
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """Current state as numpy arrays by name (views of the live buffers)."""
+        return dict(zip(self.names, self._arrays[0]))
+
+
+def _need_file(path: str) -> None:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"ONNX export file {path!r} does not exist (an export of m.onnx is m.onnx, "
+                                f"m.prefill.onnx unless decode only, and m.onnx.data)")
+
+
+def load_onnx(path, inplace: bool = True, threads: int | None = None) -> OnnxDecoder:
+    """Loads the graphs written by `export_onnx` as a decoder with the `StaticDecoder` API.
+
+    Args:
+        path: `m.onnx` (its siblings `m.prefill.onnx` and `m.onnx.data` are found by name).
+        inplace: bind each present output to its past input (default; see `OnnxDecoder`).
+        threads: onnxruntime intra-op threads.
+
+    Returns:
+        An `OnnxDecoder` (`prefill`, `decode`, `reset`, `generate`).
+
+    Raises:
+        FileNotFoundError: a file of the export is missing.
+        ExportFormatError: a file is truncated, foreign, or from another export / config.
+    """
+    return OnnxDecoder(path, inplace=inplace, threads=threads)

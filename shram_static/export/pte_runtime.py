@@ -1,0 +1,150 @@
+"""Runs a `.pte` written by `export_pte` behind the `StaticDecoder` API (`PteDecoder`, `load_pte`).
+
+Imports only the ExecuTorch runtime (inside `PteDecoder`), never the exporter.
+"""
+
+import contextlib
+import json
+import os
+
+import torch
+
+from ..config import ShramConfig
+from ..errors import ExportFormatError
+from ..host import HostDecoder
+from .common import PTE_FORMAT, PTE_MAGIC
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Runs the block with `torch.set_num_threads(n)`, restoring the previous count after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _read_constant(program, name: str, path: str):
+    if name not in program.method_names:
+        raise ExportFormatError(f"{path} has no {name!r} method: it was not written by "
+                                f"shram_static.export.export_pte")
+    return program.load_method(name).execute([])[0]
+
+
+class PteDecoder(HostDecoder):
+    """`HostDecoder` over an ExecuTorch program written by `export_pte`.
+
+    Both step methods run through `executorch.runtime`'s Program, which gives them one shared
+    set of state buffers. Build it with `load_pte`.
+
+    Args:
+        path: the `.pte` file.
+    """
+
+    def __init__(self, path):
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"ExecuTorch program {path!r} does not exist")
+        with open(path, "rb") as f:
+            head = f.read(8)
+        if len(head) < 8 or head[4:8] != PTE_MAGIC:
+            raise ExportFormatError(f"{path} is not an ExecuTorch program (no {PTE_MAGIC!r} header)")
+        from executorch.runtime import Runtime
+        try:
+            program = Runtime.get().load_program(path)
+        except Exception as e:  # the runtime raises a bare RuntimeError on a bad flatbuffer
+            raise ExportFormatError(f"{path} could not be loaded by the ExecuTorch runtime "
+                                    f"(truncated or corrupt?): {e}") from e
+        try:
+            meta = json.loads(_read_constant(program, "get_shram_export", path))
+            config = ShramConfig.from_dict(json.loads(_read_constant(program, "get_shram_config", path)))
+        except ExportFormatError:
+            raise
+        except Exception as e:
+            raise ExportFormatError(f"{path}: unreadable shram metadata (truncated or corrupt?): {e}") from e
+        if meta.get("format") != PTE_FORMAT:
+            raise ExportFormatError(f"{path} has format {meta.get('format')!r}; this version reads {PTE_FORMAT!r}")
+        super().__init__(config, meta["batch_size"], meta["prefill_chunk"], meta.get("eos_token_id"))
+        self.path = path
+        self.meta = meta
+        self._program = program
+        B, C, V = self.batch_size, self.prefill_chunk, config.vocab_size
+        self._check_signature(meta["decode_method"], (B, 1), (B, V))
+        if meta["prefill_method"] is not None:
+            self._check_signature(meta["prefill_method"], (B, C), (B, C, V))
+        # Rollback: the limit the state was built for (absent: a file written before rollback
+        # support, whose state cannot roll back); the verify step, if the file has one.
+        self.rollback_limit = int(meta.get("rollback_limit") or 0)
+        self.verify_len = meta.get("verify_len")
+        if meta.get("verify_method") == "verify":
+            self._check_signature("verify", (B, self.verify_len), (B, self.verify_len, V))
+        try:
+            # Decode first: it carries the state's starting values (see `pte._init_first_method_pass`).
+            self._decode = program.load_method(meta["decode_method"])
+            self._prefill = (program.load_method(meta["prefill_method"])
+                             if meta["prefill_method"] is not None else None)
+            self._verify = program.load_method("verify") if meta.get("verify_method") == "verify" else None
+        except Exception as e:
+            raise ExportFormatError(f"{path}: loading the step methods failed (truncated, or built "
+                                    f"with kernels this runtime lacks?): {e}") from e
+        self._batched = meta["decode_method"] != "forward"
+
+    def _check_signature(self, method: str, tokens_shape, logits_shape) -> None:
+        """Raises ExportFormatError unless the method's tensors match the stored config."""
+        if method not in self._program.method_names:
+            raise ExportFormatError(f"{self.path} has no {method!r} method")
+        mm = self._program.metadata(method)
+        got_in = tuple(mm.input_tensor_meta(0).sizes())
+        got_out = tuple(mm.output_tensor_meta(0).sizes())
+        if got_in != tuple(tokens_shape) or got_out != tuple(logits_shape):
+            raise ExportFormatError(
+                f"{self.path}: method {method!r} takes tokens {got_in} and returns logits {got_out}, "
+                f"but its stored config says {tuple(tokens_shape)} -> {tuple(logits_shape)} "
+                f"(a file from another config?)")
+
+    @property
+    def method_names(self) -> set[str]:
+        """Every method in the program (steps and constants)."""
+        return set(self._program.method_names)
+
+    def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        # The runtime rejects strided inputs (e.g. a column slice of the prompt).
+        tokens, input_pos, live = tokens.contiguous(), input_pos.contiguous(), live.contiguous()
+        # WHY one torch thread while the program runs: the call itself runs a parallel torch
+        # region, whose OpenMP worker then spin-waits on a core the XNNPACK threadpool needs
+        # (docs/performance.md, ".pte"). The caller's thread count is restored after the call.
+        with torch_threads(1):
+            return self._execute(tokens, input_pos, live)
+
+    def _execute(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] == 1:
+            if self._batched:
+                out = self._decode.execute([tokens, input_pos, live])[0]
+            elif bool(live.all()):
+                out = self._decode.execute([tokens, input_pos])[0]
+            else:
+                # `forward` (stock-runner signature) has no live flag: a dead token of a batch-1
+                # decode is a no-op, so skip the call (its logits are unspecified).
+                out = torch.zeros(1, self.config.vocab_size)
+            return out[:, None, :]
+        if tokens.shape[1] != self.prefill_chunk or self._prefill is None:
+            return self._verify.execute([tokens, input_pos, live])[0]
+        return self._prefill.execute([tokens, input_pos, live])[0]
+
+
+def load_pte(path) -> PteDecoder:
+    """Loads a `.pte` written by `export_pte` as a decoder with the `StaticDecoder` API.
+
+    Args:
+        path: the `.pte` file; everything else (config, batch size, chunk) is read from it.
+
+    Returns:
+        A `PteDecoder` (`prefill`, `decode`, `reset`, `generate`).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ExportFormatError: not a (complete) program written by `export_pte`.
+    """
+    return PteDecoder(path)

@@ -1,0 +1,77 @@
+"""Readings of the machine and of a model that `shram-static bench` turns into its floor and its
+checks: memory read bandwidth, the bytes a decode step must read, peak memory, stolen CPU time."""
+
+import resource
+import time
+
+import torch
+
+
+def measure_bandwidth(x: torch.Tensor | None = None, reps: int = 5) -> float:
+    """Best-of-`reps` read bandwidth in bytes/s of `torch.sum` over `x` (default: a new 1 GiB
+    fp32 buffer, larger than any cache)."""
+    x = torch.ones(2**28) if x is None else x
+    x.sum()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * x.element_size() / best
+
+
+def decode_read_bytes(model, batch_size: int, prefill_chunk: int) -> int:
+    """Bytes one fp32 decode step must read: every weight but the embedding table (one row per
+    row of the batch), the K selected experts' weights only, plus the cache rows attended."""
+    cfg = model.config
+    es = next(model.parameters()).element_size()
+    n = sum(p.numel() for name, p in model.named_parameters() if name != "embed_tokens.weight")
+    if model.lm_head is None:
+        n += model.embed_tokens.weight.numel()  # tied: the lm_head reads the whole table
+    bea = sum(p.numel() for name, p in model.named_parameters() if ".bea." in name)
+    n -= bea - bea * cfg.num_selected_heads // cfg.num_mosrah_heads  # K of L experts
+    n += batch_size * cfg.embedding_width
+    ring = cfg.window_size + prefill_chunk - 1
+    cache = 2 * batch_size * cfg.head_dim * (cfg.num_sliding_window_heads * ring
+                                             + cfg.num_selected_heads * (cfg.mosrah_cache_length + 1))
+    return (n + cfg.num_decoder_layers * cache) * es
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory in MiB.
+
+    VmHWM from /proc where there is one: `ru_maxrss` of a process started by fork + exec reports
+    its parent's peak too (Linux keeps it across exec), so every worker of one run read the same
+    ~1.4 GiB (the parent's 1 GiB bandwidth buffer).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def cpu_times(path: str = "/proc/stat") -> tuple[int, int] | None:
+    """(steal, total) CPU time of the whole machine in clock ticks from the `cpu` line of
+    /proc/stat (Linux; None elsewhere or if unreadable). Steal is time the hypervisor ran
+    something else while this VM had work: a step of hundreds of fork-join operators (a `.pte`)
+    loses far more to it than a few large kernels (docs/performance.md, "Measuring")."""
+    try:
+        with open(path) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:]]
+    return ticks[7], sum(ticks[:8])  # user nice system idle iowait irq softirq steal (guest in user)
+
+
+def steal_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Share of the CPU time between two `cpu_times` readings that the hypervisor stole."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round((after[0] - before[0]) / (after[1] - before[1]), 3)

@@ -1,0 +1,366 @@
+"""The OpenAI-compatible HTTP API (FastAPI): a plain ASGI app, one model per process.
+
+`create_app(...)` returns the app; its lifespan starts the `Engine` (the model loads and
+compiles in the engine's thread, `/health` says 503 meanwhile) and stops it at shutdown. The
+app keeps no state outside itself, so several processes (replicas) serve behind any load
+balancer. Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
+`GET /health`, `GET /metrics`.
+"""
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from .engine import Engine, Event, Job, NotReady, QueueFull
+from .schema import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+
+BUILTIN_NAME = "shram-static-builtin"
+
+
+def load_decoder(checkpoint: str | None, backend: str, batch_size: int, prefill_chunk: int,
+                 stack: contextlib.ExitStack):
+    """(decoder, tokenizer) of a checkpoint directory (None: the built-in model) on `backend`,
+    with `batch_size` rows; `stack` owns an export backend's temporary directory."""
+    from ..backends import make_decoder
+    from ..default_model import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer(checkpoint)
+    if checkpoint is not None:
+        attach_chat_template(tok, checkpoint)
+    dec = make_decoder(model, backend, prefill_chunk, stack, tok.eos_token_id,
+                       getattr(tok, "bos_token_id", None), batch_size=batch_size)
+    return dec, tok
+
+
+def attach_chat_template(tok, directory) -> None:
+    """Gives a checkpoint's HF tokenizer the chat template of its directory, if it has none
+    yet: `chat_template.jinja`, else the `chat_template` string of `tokenizer_config.json` (as
+    transformers' `AutoTokenizer` reads them). The byte tokenizer has no template."""
+    hf = getattr(tok, "tok", None)
+    if hf is None or getattr(hf, "chat_template", None):
+        return
+    path = os.path.join(os.fspath(directory), "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            hf.chat_template = f.read()
+        return
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(os.fspath(directory), "tokenizer_config.json"), encoding="utf-8") as f:
+            template = json.load(f).get("chat_template")
+        if isinstance(template, str):
+            hf.chat_template = template
+
+
+def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, backend: str = "eager",
+               batch_size: int = 4, prefill_chunk: int = 16, max_queue: int = 64,
+               api_key: str | None = None, model_name: str | None = None) -> FastAPI:
+    """The server app.
+
+    Args:
+        engine: an `Engine` to serve (started by the app if it is not yet); default: one that
+            loads `checkpoint` on `backend` with `batch_size` rows and `max_queue` waiting.
+        checkpoint: checkpoint directory; None: the built-in model.
+        backend: eager, compiled, pte, pte-int8, pte-8da4w or onnx.
+        batch_size: B, requests served at once (one per row).
+        prefill_chunk: C, prompt tokens per prefill-shape step.
+        max_queue: requests that may wait for a row; more get 429.
+        api_key: when set, /v1/* requests need `Authorization: Bearer <api_key>`.
+        model_name: the id of `/v1/models` (default: the checkpoint directory's name, or
+            "shram-static-builtin").
+
+    Returns:
+        A FastAPI (ASGI) application.
+    """
+    stack = contextlib.ExitStack()
+    if engine is None:
+        engine = Engine(lambda: load_decoder(checkpoint, backend, batch_size, prefill_chunk, stack),
+                        max_queue=max_queue)
+    name = model_name or (BUILTIN_NAME if checkpoint is None
+                          else os.path.basename(os.path.normpath(os.fspath(checkpoint))))
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if not engine.started:
+            engine.start()
+        yield
+        await asyncio.to_thread(engine.stop)
+        stack.close()
+
+    app = FastAPI(title="shram-static", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.model_name = name
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        if e.status == 400:
+            engine.metrics.invalid += 1
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        return await _api_error(request, validation_error(list(e.errors())))
+
+    @app.get("/health")
+    async def health():
+        """200 when the model is ready, 503 while it loads or compiles (or if it failed)."""
+        body = {"status": engine.status}
+        if engine.error:
+            body["error"] = engine.error
+        return JSONResponse(body, status_code=200 if engine.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        """Prometheus text: requests, tokens, queue depth, busy rows, step time."""
+        B = engine.decoder.batch_size if engine.ready else 0
+        text = engine.metrics.render(engine.queue_depth, engine.busy_rows, B, name)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": name, "object": "model", "created": created, "owned_by": "shram-static"}
+        if engine.ready:
+            card["max_model_len"] = engine.capacity
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(body.model, name)
+        _need_ready(engine)
+        ids, text = _prompt(body.prompt, engine)
+        if body.logprobs is not None and body.stream:
+            raise APIError(400, "'logprobs' is not supported with 'stream'", "logprobs")
+        # unset: 16 tokens, as OpenAI's legacy completions and vLLM (at most what fits)
+        n = body.max_tokens if body.max_tokens is not None else min(16, engine.capacity - len(ids) + 1)
+        job = _job(body, ids, n, engine)
+        run = _Run(engine, job, request, "text_completion", name,
+                   echo=(text if body.echo else ""), tokenizer=engine.tokenizer)
+        if body.stream:
+            return StreamingResponse(run.stream(_usage(body)), media_type="text/event-stream")
+        return await run.complete()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check_model(body.model, name)
+        if body.logprobs:
+            raise APIError(400, "'logprobs' is not supported by chat completions here; use "
+                                "/v1/completions with 'logprobs'", "logprobs")
+        _need_ready(engine)
+        tok = engine.tokenizer
+        template = getattr(getattr(tok, "tok", None), "chat_template", None)
+        if not template:
+            raise APIError(400, f"model {name!r} has no chat template (its tokenizer defines none); "
+                                f"use /v1/completions with a text prompt", "messages")
+        msgs = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            text = tok.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja errors: a message the template cannot render
+            raise APIError(400, f"the chat template could not render 'messages': {e}", "messages") from e
+        ids = _check_ids(tok.encode(text, add_bos=False), engine, "messages")
+        job = _job(body, ids, body.max_completion_tokens or body.max_tokens, engine)
+        run = _Run(engine, job, request, "chat.completion", name, tokenizer=tok)
+        if body.stream:
+            return StreamingResponse(run.stream(_usage(body)), media_type="text/event-stream")
+        return await run.complete()
+
+    return app
+
+
+class BearerAuth:
+    """ASGI middleware: /v1/* requests need `Authorization: Bearer <api_key>` (else 401)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.key = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(got, self.key):
+                e = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                             type_="invalid_request_error", code="invalid_api_key",
+                             headers={"WWW-Authenticate": "Bearer"})
+                await JSONResponse(e.body(), 401, headers=e.headers)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# -- request checks ---------------------------------------------------------------------
+def _check_model(model: str | None, name: str) -> None:
+    if model is not None and model != name:
+        raise APIError(400, f"unknown model {model!r}: this server serves {name!r}", "model",
+                       code="model_not_found")
+
+
+def _need_ready(engine: Engine) -> None:
+    if not engine.ready:
+        raise APIError(503, f"the model is not ready ({engine.status}); retry shortly",
+                       type_="service_unavailable", headers={"Retry-After": "1"})
+
+
+def _prompt(prompt, engine: Engine) -> tuple[list[int], str]:
+    """(token ids, text) of a completions prompt (one prompt per request)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, f"'prompt' holds {len(prompt)} prompts; send one per request", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return _check_ids(engine.tokenizer.encode(prompt), engine, "prompt"), prompt
+    ids = _check_ids(prompt, engine, "prompt")
+    return ids, engine.tokenizer.decode(ids)
+
+
+def _check_ids(ids: list[int], engine: Engine, param: str) -> list[int]:
+    V, S = engine.decoder.config.vocab_size, engine.capacity
+    if not ids:
+        raise APIError(400, f"'{param}' is empty: it needs at least one token", param)
+    bad = [i for i in ids if not 0 <= i < V]
+    if bad:
+        raise APIError(400, f"'{param}' holds token ids outside the vocabulary [0, {V}): {bad[:8]}", param)
+    if len(ids) > S:
+        raise APIError(400, f"'{param}' is {len(ids)} tokens, more than the model's context capacity "
+                            f"of {S} tokens", param)
+    return list(ids)
+
+
+def _job(body, ids: list[int], max_tokens: int | None, engine: Engine) -> Job:
+    S = engine.capacity
+    if max_tokens is not None and len(ids) + max_tokens - 1 > S:
+        field = "max_tokens" if max_tokens == body.max_tokens else "max_completion_tokens"
+        raise APIError(400, f"'{field}' is too large: the prompt ({len(ids)} tokens) plus {max_tokens} "
+                            f"new tokens exceed the context capacity of {S} tokens (at most "
+                            f"{S - len(ids) + 1} new tokens for this prompt)", field)
+    return Job(prompt=ids, sink=None, max_tokens=max_tokens,
+               temperature=1.0 if body.temperature is None else body.temperature,
+               top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stops(),
+               logprobs=getattr(body, "logprobs", None))
+
+
+def _usage(body) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+# -- running one request ------------------------------------------------------------------
+class _Run:
+    """Submits one job and turns its events into an OpenAI response or an SSE stream."""
+
+    def __init__(self, engine: Engine, job: Job, request: Request, kind: str, model: str,
+                 echo: str = "", tokenizer=None):
+        self.job, self.request, self.kind, self.model = job, request, kind, model
+        self.echo, self.tok = echo, tokenizer
+        self.id = f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        loop = asyncio.get_running_loop()
+        self.q: asyncio.Queue[Event] = asyncio.Queue()
+        job.sink = lambda ev: loop.call_soon_threadsafe(self.q.put_nowait, ev)
+        try:
+            engine.submit(job)
+        except QueueFull as e:
+            raise APIError(429, f"{e}; retry shortly", type_="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": "1"}) from e
+        except NotReady as e:
+            raise APIError(503, str(e), type_="service_unavailable", headers={"Retry-After": "1"}) from e
+
+    def _usage(self) -> dict:
+        P, n = len(self.job.prompt), len(self.job.tokens)
+        return {"prompt_tokens": P, "completion_tokens": n, "total_tokens": P + n}
+
+    def _choice(self, text: str, finish: str | None, delta: bool, first: bool = False,
+                logprobs=None) -> dict:
+        if self.kind == "text_completion":
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if not delta:
+            return {"index": 0, "message": {"role": "assistant", "content": text},
+                    "logprobs": None, "finish_reason": finish}
+        d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+
+    def _obj(self, choices: list, chunk: bool, usage) -> dict:
+        kind = self.kind + (".chunk" if chunk and self.kind.startswith("chat") else "")
+        out = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+               "choices": choices}
+        if usage is not False:
+            out["usage"] = usage
+        return out
+
+    def _logprobs(self, lps: list, offset: int) -> dict:
+        toks = self.job.tokens[:len(lps)]
+        dec = lambda i: self.tok.decode([i])
+        offsets, at = [], offset
+        for i in toks:
+            offsets.append(at)
+            at += len(dec(i))
+        return {"tokens": [dec(i) for i in toks], "token_logprobs": [c for c, _ in lps],
+                "top_logprobs": [{dec(i): v for i, v in top.items()} for _, top in lps],
+                "text_offset": offsets}
+
+    async def complete(self) -> dict:
+        """Waits for the whole result (the row is cancelled if the client goes away)."""
+        parts, lps, finish = [], [], None
+        gone = asyncio.ensure_future(_disconnected(self.request))
+        try:
+            while finish is None:
+                get = asyncio.ensure_future(self.q.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    self.job.cancel()
+                    return JSONResponse({}, status_code=499)  # nobody reads it
+                ev = get.result()
+                parts.append(ev.text)
+                lps += ev.logprobs or []
+                finish = ev.finish_reason
+        finally:
+            gone.cancel()
+            if finish is None:
+                self.job.cancel()
+        if finish == "error":
+            raise APIError(500, f"the model failed: {ev.error}", type_="server_error")
+        text = self.echo + "".join(parts)
+        logprobs = self._logprobs(lps, len(self.echo)) if self.job.logprobs is not None else None
+        return self._obj([self._choice(text, finish, False, logprobs=logprobs)], False, self._usage())
+
+    async def stream(self, include_usage: bool):
+        """OpenAI server-sent events: chunks, the usage chunk when asked, then [DONE]."""
+        usage = None if include_usage else False
+        sse = lambda obj: f"data: {_json(obj)}\n\n"
+        finish = None
+        try:
+            first = self.kind.startswith("chat")
+            if self.echo or first:
+                yield sse(self._obj([self._choice(self.echo, None, True, first)], True, usage))
+            while finish is None:
+                ev = await self.q.get()
+                finish = ev.finish_reason
+                if finish == "error":
+                    yield sse({"error": {"message": f"the model failed: {ev.error}", "type": "server_error",
+                                         "param": None, "code": None}})
+                    break
+                if ev.text or finish:
+                    yield sse(self._obj([self._choice(ev.text, finish, True)], True, usage))
+            if include_usage:
+                yield sse(self._obj([], True, self._usage()))
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (the task is cancelled) or the stream ended
+            if finish is None:
+                self.job.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _json(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))

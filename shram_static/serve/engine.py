@@ -1,0 +1,380 @@
+"""Continuous batching on the static state: one background thread owns the decoder.
+
+Each of the decoder's B rows serves one request at a time. A new request joins a free row the
+moment it is free (`HostDecoder.reset_rows`: position 0, nothing cleared) while the other rows
+keep decoding, and a finished or cancelled row is simply never marked live again. Each
+iteration runs ONE fixed-shape step (`HostDecoder.step`), so only the two compiled shapes ever
+run. Every running row gets its next token (column 0), every joining row the next piece of its
+prompt:
+
+- a prefill-shape step (C tokens a row) when no row is decoding yet, or when a joining row
+  has a long prompt left (`long_prompt`, default 4 chunks): the running rows then wait one
+  such step per chunk, shared by every prompt joining at the same time;
+- otherwise a decode-shape step: a short joining prompt goes in one token a step beside the
+  running rows, which never wait for a prefill-shape step. WHY: a prefill-shape step computes
+  all B x C tokens, live or not, and on CPU it costs several decode steps even for small C
+  (docs/performance.md, "Serving"), while a decode step of B rows costs little more than one
+  of a single row.
+
+Sampling happens per row on the host, each request with its own `torch.Generator`, so its
+tokens depend only on its own logits: at temperature 0 they are `generate`'s for the request
+alone, and a seeded request samples the same tokens whatever else runs.
+"""
+
+import collections
+import itertools
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+from .metrics import Metrics
+from .text import TextStream
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue holds `max_queue` requests already."""
+
+
+class NotReady(RuntimeError):
+    """The model is still loading or compiling (or failed to)."""
+
+
+@dataclass
+class Event:
+    """What one step produced for one request (delivered through `Job.sink`).
+
+    Attributes:
+        text: newly released text ('' when held back).
+        tokens: the new token ids (one per step).
+        logprobs: per new token (chosen logprob, {token id: logprob} of the top ones), when
+            the request asked for them.
+        finish_reason: None while running, then "stop", "length", "cancelled" or "error".
+        error: the message when finish_reason is "error".
+    """
+
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[tuple[float, dict[int, float]]] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Job:
+    """One generation request, as the engine runs it.
+
+    Attributes:
+        prompt: token ids (validated: non-empty, in the vocabulary, within capacity).
+        max_tokens: most new tokens (None: until the row's capacity).
+        temperature: 0 is greedy; top_p, top_k: nucleus / top-k filters (None: off).
+        seed: seeds this request's own sampler (None: a random seed).
+        stop: strings that end the text; logprobs: how many top logprobs per token (None: none).
+        sink: called from the engine thread with each `Event`; must not block.
+    """
+
+    prompt: list[int]
+    sink: Callable[[Event], None]
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None
+    cancelled: bool = False
+    tokens: list[int] = field(default_factory=list)  # every sampled token (EOS included)
+    t_submit: float = field(default_factory=time.perf_counter)
+    seq: int = 0
+
+    def cancel(self) -> None:
+        """Asks the engine to drop this request (its row is freed before the next step)."""
+        self.cancelled = True
+
+
+class _Row:
+    """A request in a row: how much prompt is fed, the next token to feed, its sampler."""
+
+    def __init__(self, job: Job, tokenizer, eos: int | None):
+        self.job = job
+        self.fed = 0
+        self.next: int | None = None  # sampled, not yet fed
+        self.text = TextStream(tokenizer, job.stop, eos)
+        self.greedy = job.temperature == 0
+        self.warp = LogitsProcessorList()
+        if job.temperature not in (0, 1):
+            self.warp.append(TemperatureLogitsWarper(job.temperature))
+        if job.top_k is not None:
+            self.warp.append(TopKLogitsWarper(job.top_k))
+        if job.top_p is not None and job.top_p < 1:
+            self.warp.append(TopPLogitsWarper(job.top_p))
+        # unseeded: from the OS (torch's global generator starts from the same seed every run)
+        seed = job.seed if job.seed is not None else secrets.randbits(63)
+        self.gen = torch.Generator().manual_seed(seed)
+
+
+class Engine:
+    """Runs requests on the B rows of one decoder, in a background thread.
+
+    Args:
+        load: called once in the engine thread; returns (decoder, tokenizer). The decoder is a
+            `HostDecoder`; its rows serve one request each.
+        max_queue: most requests waiting for a row; `submit` raises `QueueFull` beyond.
+        warmup: run both step shapes once (all tokens dead: no state changes) before
+            reporting ready, so a compiled decoder compiles before the first request.
+        long_prompt: prompt tokens left from which a joining row is prefilled in
+            prefill-shape steps while other rows decode (default: 4 x prefill_chunk).
+    """
+
+    def __init__(self, load: Callable, max_queue: int = 64, warmup: bool = True,
+                 long_prompt: int | None = None):
+        self._load = load
+        self.max_queue = max_queue
+        self._long_prompt = long_prompt
+        self.warmup = warmup
+        self.status = "loading"  # -> "compiling" -> "ready" (or "failed"), then "stopped"
+        self.error: str | None = None
+        self.decoder = None
+        self.tokenizer = None
+        self.metrics = Metrics()
+        self._pending: collections.deque[Job] = collections.deque()
+        self._rows: list[_Row | None] = []
+        self._cv = threading.Condition()
+        self._stop = False
+        self._draining = False
+        self._seq = itertools.count()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="shram-static-engine", daemon=True)
+
+    # -- control ------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        """Starts the engine thread (loading the model there); returns self."""
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Blocks until the model is ready or failed (or `timeout` s passed); True when ready."""
+        self._ready.wait(timeout)
+        return self.status == "ready"
+
+    def stop(self, timeout: float | None = 30) -> None:
+        """Cancels every queued and running request and ends the thread."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def drain(self, timeout: float) -> None:
+        """Shuts down cleanly: takes no more requests, cancels the queued ones, lets running
+        rows finish for up to `timeout` seconds, then cancels the rest and ends the thread."""
+        with self._cv:
+            self._draining = True
+            jobs = list(self._pending)
+            self._pending.clear()
+        for job in jobs:
+            self._end(job, "cancelled")
+        end = time.monotonic() + timeout
+        while self.busy_rows and time.monotonic() < end and self._thread.is_alive():
+            time.sleep(0.01)
+        self.stop()
+
+    @property
+    def long_prompt(self) -> int:
+        """Prompt tokens left from which a joining row gets prefill-shape steps even while
+        other rows decode (default: 4 chunks)."""
+        return self._long_prompt if self._long_prompt is not None else 4 * self.decoder.prefill_chunk
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready"
+
+    @property
+    def batch_size(self) -> int:
+        return self.decoder.batch_size
+
+    @property
+    def capacity(self) -> int:
+        return self.decoder.capacity
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    @property
+    def busy_rows(self) -> int:
+        return sum(r is not None for r in self._rows)
+
+    def submit(self, job: Job) -> Job:
+        """Queues a validated request (FIFO); returns it.
+
+        Raises:
+            NotReady: the model is not loaded and compiled yet.
+            QueueFull: `max_queue` requests are waiting already.
+        """
+        with self._cv:
+            if self._stop or self._draining:
+                raise NotReady("the server is shutting down")
+            if self.status != "ready":
+                raise NotReady(self.error or f"the model is {self.status}")
+            if len(self._pending) >= self.max_queue:
+                self.metrics.rejected += 1
+                raise QueueFull(f"the queue holds {self.max_queue} waiting requests (--max-queue)")
+            job.seq = next(self._seq)
+            self._pending.append(job)
+            self._cv.notify()
+        return job
+
+    # -- the engine thread --------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.decoder, self.tokenizer = self._load()
+            if self.warmup:
+                self.status = "compiling"
+                dec = self.decoder
+                for C in (1, dec.prefill_chunk):  # dead tokens only: no row changes
+                    dec.step(torch.zeros(dec.batch_size, C, dtype=torch.long),
+                             torch.zeros(dec.batch_size, C, dtype=torch.bool))
+            self._rows = [None] * self.decoder.batch_size
+            self.status = "ready"
+        except Exception as e:  # reported by /health; the server stays up to say so
+            self.status, self.error = "failed", f"{type(e).__name__}: {e}"
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while self._iterate():
+                pass
+        except Exception as e:  # a backend failure: every request is told, nothing hangs
+            self.status, self.error = "failed", f"{type(e).__name__}: {e}"
+            self._finish_all("error", self.error)
+            return
+        self._finish_all("cancelled")
+        self.status = "stopped"
+
+    def _finish_all(self, reason: str, error: str | None = None) -> None:
+        with self._cv:
+            jobs = [r.job for r in self._rows if r is not None] + list(self._pending)
+            self._rows = [None] * len(self._rows)
+            self._pending.clear()
+        for job in jobs:
+            self._end(job, reason, error=error)
+
+    def _iterate(self) -> bool:
+        """Admits waiting requests into free rows, drops cancelled ones, runs one step.
+        Returns False once stopped."""
+        rows = self._rows
+        with self._cv:
+            while not self._stop and not self._pending and all(r is None for r in rows):
+                self._cv.wait()
+            if self._stop:
+                return False
+            for b, r in enumerate(rows):
+                if r is not None and r.job.cancelled:
+                    rows[b] = None
+                    self._end(r.job, "cancelled")
+            if any(job.cancelled for job in self._pending):  # gone before getting a row
+                for job in [job for job in self._pending if job.cancelled]:
+                    self._pending.remove(job)
+                    self._end(job, "cancelled")
+            while self._pending and None in rows:
+                job = self._pending.popleft()
+                b = rows.index(None)
+                rows[b] = _Row(job, self.tokenizer, self.tokenizer.eos_token_id)
+                self.decoder.reset_rows(b)
+                self.metrics.prompt_tokens += len(job.prompt)
+            self.metrics.queue_depth = len(self._pending)
+        if all(r is None for r in rows):
+            return True
+        self._step()
+        return True
+
+    def _step(self) -> None:
+        dec, rows = self.decoder, self._rows
+        B, C = dec.batch_size, dec.prefill_chunk
+        running = [b for b, r in enumerate(rows) if r is not None and r.next is not None]
+        joining = [b for b, r in enumerate(rows) if r is not None and r.next is None]
+        left = [len(rows[j].job.prompt) - rows[j].fed for j in joining]
+        # The prefill shape when no row is decoding (it stalls nobody) or for a long prompt;
+        # else joining prompts go one token per decode-shape step beside the running rows,
+        # which then never wait for a prefill step (see the module docstring).
+        W = C if joining and (not running or max(left) >= self.long_prompt) else 1
+        ids = torch.zeros(B, W, dtype=torch.long)
+        live = torch.zeros(B, W, dtype=torch.bool)
+        for b in running:
+            ids[b, 0], live[b, 0] = rows[b].next, True
+        # Every joining row's next chunk rides in the same step: a fixed-shape step computes
+        # all B x W tokens whether live or not, so this costs no step any longer.
+        chunks = {}
+        for j in joining:
+            r = rows[j]
+            chunks[j] = r.job.prompt[r.fed:r.fed + W]
+            ids[j, :len(chunks[j])] = torch.tensor(chunks[j])
+            live[j, :len(chunks[j])] = True
+        t0 = time.perf_counter()
+        logits = dec.step(ids, live)  # (B, W, V)
+        dt = time.perf_counter() - t0
+        out = {b: logits[b, 0] for b in running}  # row -> (V,) logits of its next token
+        for j, chunk in chunks.items():
+            rows[j].fed += len(chunk)
+            if rows[j].fed == len(rows[j].job.prompt):
+                out[j] = logits[j, len(chunk) - 1]
+        self.metrics.observe_step("prefill" if W > 1 else "decode", dt, len(running) + len(joining), B)
+        for b, lg in out.items():
+            self._advance(b, lg)
+
+    def _advance(self, b: int, logits: torch.Tensor) -> None:
+        """Samples row b's next token from its (V,) logits and tells the request."""
+        r = self._rows[b]
+        job = r.job
+        lg = logits.float()[None]  # (1, V)
+        if r.greedy:
+            tok = int(lg.argmax(-1))
+        else:
+            # as HostDecoder.generate samples a batch-1 row, with this request's own generator
+            ids = torch.tensor([job.tokens], dtype=torch.long).view(1, -1)
+            probs = torch.softmax(r.warp(ids, lg), dim=-1)
+            tok = int(torch.multinomial(probs, 1, generator=r.gen)[0, 0])
+        now = time.perf_counter()
+        if not job.tokens:
+            self.metrics.observe_first_token(now - job.t_submit)
+        job.tokens.append(tok)
+        self.metrics.generation_tokens += 1
+        lp = None
+        if job.logprobs is not None:
+            logp = torch.log_softmax(lg[0], -1)
+            top = torch.topk(logp, job.logprobs) if job.logprobs else None
+            lp = [(float(logp[tok]), {int(i): float(v) for v, i in zip(*top)} if top else {})]
+        text = r.text.push(tok)
+        n = len(job.tokens)
+        finish = None
+        if r.text.stopped:
+            finish = "stop"
+        elif (job.max_tokens is not None and n >= job.max_tokens) or len(job.prompt) + n > self.capacity:
+            finish = "length"  # max_tokens, or feeding this token would pass the row's capacity
+            text += r.text.flush()
+        if finish is None:
+            r.next = tok
+            try:
+                job.sink(Event(text, [tok], lp))
+            except Exception:  # the client's event loop is gone: free the row next iteration
+                job.cancel()
+            return
+        self._rows[b] = None
+        self._end(job, finish, text, [tok], lp)
+
+    def _end(self, job: Job, reason: str, text: str = "", tokens=None, lp=None, error=None) -> None:
+        self.metrics.finished[reason] = self.metrics.finished.get(reason, 0) + 1
+        try:
+            job.sink(Event(text, tokens or [], lp, reason, error))
+        except Exception:  # a sink whose client is gone: nothing left to tell
+            pass

@@ -1,0 +1,255 @@
+"""Speculative decoding on any `HostDecoder` (eager, compiled, `.pte`, `.onnx`): drafts,
+verification in one fixed-shape step, acceptance, and rollback of the rejected tail.
+
+Each round feeds every row its last token plus up to k guessed tokens through the verify step
+(`HostDecoder.verify`), keeps the guesses the target model agrees with, and forgets the rest
+(`HostDecoder.rollback`). Guesses come from
+- prompt lookup (`PromptLookup`): the tokens that followed the latest earlier occurrence of the
+  row's last n-gram in its prompt and output so far (transformers' `prompt_lookup_num_tokens`);
+- a draft decoder: any smaller SHRAM model with the same vocabulary, run greedily or sampled
+  for k steps and rolled back in lockstep with the target.
+Greedy acceptance keeps the guesses equal to the target's argmax, so the tokens are exactly
+plain greedy decoding's. Sampling uses the speculative-sampling rule (Leviathan et al. 2023):
+guess x from q is kept with probability min(1, p(x) / q(x)), a rejected one is replaced by a
+sample of norm(max(p - q, 0)); a prompt-lookup guess has q = one-hot, so it is kept with
+probability p(x) and replaced from p without x. Either way the output is distributed as the
+target model's samples.
+
+k adapts as it goes: prompt lookup verifies only while the guesses it made recently paid for a
+verify step (`VERIFY_COST` decode steps), probing now and then; a draft decoder drafts one more
+token after a fully accepted round and one fewer after a rejection (transformers' heuristic).
+"""
+
+import torch
+
+# What a verify step of up to 5 tokens costs, in decode steps, for the gate that decides whether
+# prompt-lookup guesses are worth verifying: a round must keep VERIFY_COST - 1 guesses on
+# average to beat plain decoding. A constant, not a timing, so that seeded sampling stays
+# reproducible; `shram-static bench-speculative` measures the ratio (docs/performance.md).
+VERIFY_COST = 2.0
+PROBE_EVERY = 8  # a gated-off prompt lookup still verifies one round in this many
+
+
+class PromptLookup:
+    """n-gram drafts from a row's own tokens, indexed as they are appended.
+
+    Args:
+        max_ngram: the longest n-gram matched; shorter ones are tried down to `min_ngram`.
+        min_ngram: the shortest n-gram matched.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.sizes = range(max_ngram, min_ngram - 1, -1)
+        self.seq: list[int] = []
+        self._after: dict[tuple, list[int]] = {}  # n-gram -> positions right after its occurrences
+
+    def extend(self, tokens) -> None:
+        for t in tokens:
+            self.seq.append(int(t))
+            end = len(self.seq)
+            for n in self.sizes:
+                if end >= n:
+                    self._after.setdefault(tuple(self.seq[end - n:]), []).append(end)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching
+        n-gram at the end of the sequence ([] when none matches)."""
+        end = len(self.seq)
+        if k < 1:
+            return []
+        for n in self.sizes:
+            if end < n:
+                continue
+            at = self._after.get(tuple(self.seq[end - n:]), [])
+            starts = [p for p in at[-2:] if p < end]
+            if starts:
+                p = starts[-1]
+                return self.seq[p:p + k]
+        return []
+
+
+def _pick(logits: torch.Tensor, warp, seen: torch.Tensor, sample: bool,
+          gen) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(token, probabilities or None) from (V,) logits: argmax, or a sample of the warped softmax."""
+    if not sample:
+        return logits.argmax(-1), None
+    p = torch.softmax(warp(seen[None], logits.float()[None])[0], dim=-1)
+    return torch.multinomial(p, 1, generator=gen)[0], p
+
+
+def _accept(logits: torch.Tensor, drafts: list[int], q: list | None, warp, seen: torch.Tensor, sample: bool,
+            gen) -> list[int]:
+    """The tokens one verified row emits: the accepted guesses, then the target's own token.
+
+    Args:
+        logits: (n+1, V) target logits after the last token and after each of the n guesses.
+        drafts: the n guesses.
+        q: the draft's (V,) probabilities per guess (sampling with a draft decoder), else None.
+        seen: (t,) tokens the row produced so far (what the logits warpers see).
+    """
+    out: list[int] = []
+    if not sample:  # the guesses equal to the argmax, then the argmax after them
+        top = logits.argmax(-1).tolist()
+        for i, d in enumerate(drafts):
+            if top[i] != d:
+                return out + [top[i]]
+            out.append(d)
+        return out + [top[len(drafts)]]
+    for i, d in enumerate(drafts):
+        ctx = torch.cat([seen, torch.tensor(out, dtype=torch.long)])
+        p = torch.softmax(warp(ctx[None], logits[i].float()[None])[0], dim=-1)
+        qd = q[i] if q is not None else torch.zeros_like(p).index_fill_(0, torch.tensor([d]), 1.0)
+        if torch.rand((), generator=gen) < torch.clamp(p[d] / qd[d].clamp(min=1e-30), max=1.0):
+            out.append(d)
+            continue
+        resid = (p - qd).clamp(min=0)
+        resid = resid / resid.sum() if float(resid.sum()) > 0 else p
+        return out + [int(torch.multinomial(resid, 1, generator=gen)[0])]
+    ctx = torch.cat([seen, torch.tensor(out, dtype=torch.long)])
+    t, _ = _pick(logits[len(drafts)], warp, ctx, sample, gen)
+    return out + [int(t)]
+
+
+def _feed_last(dec, toks: list[list[int]]) -> torch.Tensor:
+    """Feeds each row its list of tokens (0, 1 or more) in one step; (B, V) logits at each row's
+    last fed token (unspecified for a row fed nothing)."""
+    n = max(len(t) for t in toks)
+    B = dec.batch_size
+    if n <= 1:
+        ids = torch.tensor([t[0] if t else 0 for t in toks])
+        return dec.decode(ids, torch.tensor([bool(t) for t in toks]))
+    ids = torch.tensor([t + [0] * (n - len(t)) for t in toks])
+    live = torch.tensor([[j < len(t) for j in range(n)] for t in toks])
+    lg = dec.verify(ids, live) if n <= (dec.verify_len or dec.prefill_chunk) else dec.prefill(ids, live)
+    last = torch.tensor([max(len(t) - 1, 0) for t in toks])
+    return lg[torch.arange(B), last]
+
+
+def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tokens: int, sample: bool, warp,
+                         gen, eos: int | None, pad: int, streamer, speculate: int, draft=None,
+                         stats: dict | None = None) -> torch.Tensor:
+    """`HostDecoder.generate` with speculation (arguments already validated there).
+
+    Args:
+        dec: the target `HostDecoder`.
+        ids, live: (B, N) prompt and its live mask.
+        speculate: k, the most guesses per row and round.
+        draft: a `HostDecoder` with the same batch size and vocabulary, or None (prompt lookup).
+        stats: if a dict, gets "rounds" (verify steps), "decodes" (plain decode steps),
+            "accepted" (guesses kept), "proposed" (guesses verified) and "k" (k of each round).
+
+    Returns:
+        (B, max_new_tokens) int64 new tokens.
+    """
+    B = dec.batch_size
+    kmax = min(speculate, (dec.verify_len or dec.prefill_chunk) - 1, dec.rollback_limit)
+    if draft is not None:
+        kmax = min(kmax, draft.rollback_limit)
+    st = stats if stats is not None else {}
+    st.update(rounds=0, decodes=0, accepted=0, proposed=0, k=[])
+    dec.reset()
+    logits = dec.prefill(ids, live, last_only=True)  # (B, V)
+    if draft is not None:
+        draft.reset()
+        draft.prefill(ids, live, last_only=True)
+    out = torch.full((B, max_new_tokens), pad, dtype=torch.long)
+    made = [0] * B  # tokens produced per row
+    done = [False] * B
+    lookups = []
+    for b in range(B):
+        lk = PromptLookup()
+        lk.extend(ids[b][live[b]].tolist())
+        lookups.append(lk)
+    pending: list[list[int]] = [[] for _ in range(B)]  # tokens the draft has not been fed yet
+    streamed = 0
+    if streamer is not None:
+        streamer.put(ids)
+
+    def emit(b: int, toks: list[int]) -> None:
+        """Appends a row's new tokens, up to its EOS or max_new_tokens."""
+        for i, t in enumerate(toks):
+            out[b, made[b]] = t
+            made[b] += 1
+            if (eos is not None and t == eos) or made[b] == max_new_tokens:
+                done[b] = True
+                toks = toks[:i + 1]
+                break
+        lookups[b].extend(toks)
+
+    for b in range(B):
+        t, _ = _pick(logits[b], warp, out[b, :0], sample, gen)
+        emit(b, [int(t)])
+        pending[b] = [int(t)]
+    k = kmax  # draft decoder: adapted per round
+    gain, skipped = 1.0, 0  # prompt lookup: recent guesses kept per verify step; rounds gated off
+    while not all(done):
+        if streamer is not None:
+            while streamed < min(max_new_tokens if done[b] else made[b] for b in range(B)):
+                streamer.put(out[:, streamed].clone())
+                streamed += 1
+        nxt = [int(out[b, made[b] - 1]) for b in range(B)]
+        room = [0 if done[b] else min(k, max_new_tokens - made[b] - 1) for b in range(B)]
+        drafts: list[list[int]] = [[] for _ in range(B)]
+        q: list[list] = [[] for _ in range(B)]
+        if draft is not None and max(room) > 0:
+            # Row b's draft is fed its pending tokens, then its first room[b] - 1 guesses.
+            feed = [pending[b] if not done[b] else [] for b in range(B)]
+            for i in range(max(room)):
+                dl = _feed_last(draft, feed)  # (B, V)
+                for b in range(B):
+                    if i < room[b]:
+                        t, p = _pick(dl[b], warp, out[b, :made[b]], sample, gen)
+                        drafts[b].append(int(t))
+                        q[b].append(p)
+                feed = [[drafts[b][-1]] if i + 1 < room[b] else [] for b in range(B)]
+        elif draft is None:
+            gate = gain + 1 >= VERIFY_COST or skipped + 1 >= PROBE_EVERY
+            if gate:
+                drafts = [lookups[b].propose(room[b]) if room[b] > 0 else [] for b in range(B)]
+            skipped = 0 if gate else skipped + 1
+        if not any(drafts):
+            logits = dec.decode(torch.tensor(nxt), torch.tensor([not d for d in done]))
+            st["decodes"] += 1
+            for b in range(B):
+                if not done[b]:
+                    t, _ = _pick(logits[b], warp, out[b, :made[b]], sample, gen)
+                    emit(b, [int(t)])
+                    pending[b].append(int(t))  # the draft was not fed this round
+            continue
+        n = 1 + max(len(d) for d in drafts)
+        vids = torch.tensor([[nxt[b]] + drafts[b] + [0] * (n - 1 - len(drafts[b])) for b in range(B)])
+        vlive = torch.tensor([[not done[b] and j <= len(drafts[b]) for j in range(n)] for b in range(B)])
+        vl = dec.verify(vids, vlive)  # (B, n, V)
+        st["rounds"] += 1
+        st["k"].append(n - 1)
+        back, draft_back = [0] * B, [0] * B
+        kept_all = True
+        for b in range(B):
+            if done[b]:
+                continue
+            d = drafts[b]
+            toks = _accept(vl[b, :len(d) + 1], d, q[b] if draft is not None and sample else None, warp,
+                           out[b, :made[b]], sample, gen)
+            a = len(toks) - 1  # guesses kept
+            st["accepted"] += a
+            st["proposed"] += len(d)
+            kept_all &= a == len(d)
+            back[b] = len(d) - a
+            if draft is not None:
+                fed = max(room[b] - 1, 0)  # guesses the draft was fed
+                draft_back[b] = fed - min(a, fed)
+                pending[b] = toks[min(a, fed):]
+            emit(b, toks)
+        dec.rollback(torch.tensor(back))
+        if draft is not None:
+            draft.rollback(torch.tensor(draft_back))
+            k = min(kmax, k + 2) if kept_all else max(1, k - 1)
+        else:
+            tried = [b for b in range(B) if drafts[b]]
+            gain = 0.5 * gain + 0.5 * sum(len(drafts[b]) - back[b] for b in tried) / len(tried)
+    if streamer is not None:
+        while streamed < max_new_tokens and streamed < max(made):
+            streamer.put(out[:, streamed].clone())
+            streamed += 1
+        streamer.end()
+    return out

@@ -1,0 +1,137 @@
+"""The accelerators' registry (shram_static/accelerators.py): each runs only where verified and
+can be switched off; with every one off, a golden model lowers to the same `.pte` bytes and the
+same tokens; importing with an unsupported torch says which versions are supported."""
+
+import importlib
+import logging
+import subprocess
+import sys
+import unittest.mock
+
+import pytest
+import torch
+
+from helpers import golden_case, golden_run
+from shram_static import accelerators
+from shram_static.accelerators import (REGISTRY, STOCK_ENV, UnsupportedVersionError, check_versions, enabled,
+                                       set_stock, stock)
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """No switch set, no environment override, and the one-line logs not yet written."""
+    monkeypatch.delenv(STOCK_ENV, raising=False)
+    monkeypatch.setattr(accelerators, "_stock", None)
+    accelerators._log_once.cache_clear()
+    yield monkeypatch
+    accelerators._log_once.cache_clear()
+
+
+def test_every_accelerator_records_where_and_what_it_was_verified_on():
+    assert len(REGISTRY) >= 10
+    for a in REGISTRY.values():
+        assert a.verified and all(v for v in a.verified.values()), a.name
+        assert set(a.verified) <= {"torch", "executorch", "onnxscript"}, a.name
+        assert a.where and a.internals, a.name
+
+
+def test_unverified_release_runs_the_stock_path_with_one_debug_line(fresh, caplog):
+    real = accelerators.installed_version
+    fresh.setattr(accelerators, "installed_version", lambda d: "2.99.0" if d == "torch" else real(d))
+    caplog.set_level(logging.DEBUG, logger="shram_static.accelerators")
+    assert not enabled("skip_guards") and not enabled("skip_guards")
+    assert enabled("cached_type_hints") == (real("executorch") in accelerators.EXECUTORCH)  # no torch in it
+    lines = [r for r in caplog.records if "skip_guards" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.DEBUG
+    assert "torch 2.99.0" in lines[0].getMessage() and "stock path" in lines[0].getMessage()
+
+
+def test_environment_and_python_switches_turn_them_off(fresh):
+    names = list(REGISTRY)
+    on = {n for n in names if enabled(n)}  # as verified here
+    fresh.setenv(STOCK_ENV, "1")
+    assert not any(enabled(n) for n in names)
+    fresh.setenv(STOCK_ENV, f"{names[0]}, {names[1]}")  # the named ones only
+    assert {n for n in names if enabled(n)} == on - set(names[:2])
+    fresh.setenv(STOCK_ENV, "0")
+    assert {n for n in names if enabled(n)} == on
+    with stock():
+        assert not any(enabled(n) for n in names)
+    assert {n for n in names if enabled(n)} == on
+    set_stock(True)
+    fresh.setenv(STOCK_ENV, "0")
+    assert not any(enabled(n) for n in names)
+    set_stock(False)  # the Python switch wins over the environment
+    fresh.setenv(STOCK_ENV, "1")
+    assert {n for n in names if enabled(n)} == on
+    set_stock(None)
+    with pytest.raises(TypeError):
+        set_stock("yes")
+    with pytest.raises(KeyError, match="registered"):
+        enabled("no_such_accelerator")
+
+
+def test_supported_versions_are_checked():
+    assert check_versions({"torch": "2.13.0+cpu", "executorch": "1.4.1"}) == []
+    assert check_versions({"torch": "2.14.1+cu130", "executorch": "1.5.1"}) == []
+    assert check_versions({"torch": "2.14.1", "executorch": None}) == []  # ExecuTorch optional here
+    newer = check_versions({"torch": "2.15.0", "executorch": "1.5.1"})
+    assert len(newer) == 1 and "torch 2.15.0" in newer[0] and "torch 2.13-2.14" in newer[0]
+    for versions in ({"torch": "2.12.1", "executorch": "1.4.1"}, {"torch": "2.13.0", "executorch": "1.3.0"},
+                     {"torch": None}):
+        with pytest.raises(UnsupportedVersionError, match=r"torch 2\.13-2\.14, executorch 1\.4-1\.5"):
+            check_versions(versions)
+
+
+@pytest.mark.heavy
+def test_importing_with_an_old_torch_names_the_supported_versions():
+    code = ("import importlib.metadata as m\n"
+            "real = m.version\n"
+            "m.version = lambda d: '2.11.0' if d == 'torch' else real(d)\n"
+            "import shram_static\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("shram_static.accelerators.UnsupportedVersionError")
+    assert "torch 2.11.0 is installed" in last and "torch 2.13-2.14" in last
+
+
+@pytest.mark.heavy
+def test_stock_lowering_writes_the_same_program_and_tokens(tmp_path):
+    """A golden model's decode-only `.pte`, lowered with every accelerator this stack verifies
+    and with none (`stock()`): the same bytes (debug handles aside: the one-trace export has no
+    training IR to number them from; they are ETDump metadata, not the program), and the stock
+    program gives the golden logits and tokens."""
+    from shram_static.export import load_pte
+    from shram_static.export.pte import lower_program
+
+    lowering = ["one_trace_lowering", "needed_xnnpack_passes", "needed_edge_passes", "one_edge_conversion_trace",
+                "delegate_outputs_from_metadata", "linear_partitioning", "shared_provenance", "lazy_recompiles",
+                "cached_type_hints", "mutable_buffers_listed_once"]
+    if not all(enabled(n) for n in lowering):
+        pytest.skip("a lowering accelerator is off here: nothing to compare with the stock lowering")
+    model, g = golden_case("main_basic")
+    B = g["input_ids"].shape[0]
+    handles = importlib.import_module("executorch.exir.passes.debug_handle_generator_pass")
+    with unittest.mock.patch.object(handles, "get_greatest_ancestor_node_identifier",
+                                    lambda node: f"{node.name}.{id(node.graph)}"):
+        fast = lower_program(model, batch_size=B, prefill_chunk=None, parallel=False).buffer
+        with stock():
+            slow = lower_program(model, batch_size=B, prefill_chunk=None, parallel=False).buffer
+    assert fast == slow
+    path = tmp_path / "stock.pte"
+    path.write_bytes(slow)
+    err, tokens = golden_run(load_pte(str(path)), g)
+    assert err <= 1e-3 and torch.equal(tokens, g["greedy_tokens"])
+
+
+def test_stock_switch_reaches_the_decoder(fresh):
+    """Under SHRAM_STATIC_STOCK a compiled decoder checks Dynamo's guards on every call."""
+    from helpers import random_model
+    from shram_static import StaticDecoder
+
+    model = random_model(2, num_decoder_layers=1)
+    fresh.setenv(STOCK_ENV, "skip_guards")
+    assert StaticDecoder(model, compile=True).skip_guards is False  # nothing compiles until a step runs
+    fresh.delenv(STOCK_ENV)
+    assert StaticDecoder(model, compile=True).skip_guards is enabled("skip_guards")

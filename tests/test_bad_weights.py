@@ -1,0 +1,60 @@
+"""Bad weights: a checkpoint holding a NaN or an Inf is a CheckpointError naming the tensor
+(unless the check is skipped), and a step whose logits are not finite raises instead of sampling."""
+
+import pytest
+import torch
+
+from helpers import random_ids, random_model
+from shram_static import CheckpointError, NonFiniteLogitsError, ShramForCausalLM, StaticDecoder
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(5, num_decoder_layers=1)
+
+
+def _poisoned(model, key: str, value: float):
+    """A copy of `model` whose tensor `key` holds `value` at one element."""
+    bad = ShramForCausalLM(model.config)
+    bad.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        dict(bad.named_parameters())[key].view(-1)[3] = value
+    return bad.eval()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_checkpoint_with_a_non_finite_weight_is_refused_by_name(model, tmp_path, value):
+    key = next(k for k in dict(model.named_parameters()) if k.endswith("mlp.up_proj.weight")
+               or "proj" in k)
+    _poisoned(model, key, value).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=key.replace(".", r"\.")) as e:
+        ShramForCausalLM.from_pretrained(tmp_path)
+    assert "check_finite=False" in str(e.value)
+    loaded = ShramForCausalLM.from_pretrained(tmp_path, check_finite=False)  # explicit opt-out
+    assert not torch.isfinite(dict(loaded.named_parameters())[key]).all()
+    with pytest.raises(TypeError, match="check_finite"):
+        ShramForCausalLM.from_pretrained(tmp_path, check_finite="no")
+
+
+def test_clean_checkpoint_loads(model, tmp_path):
+    model.save_pretrained(tmp_path)
+    loaded = ShramForCausalLM.from_pretrained(tmp_path)
+    for (k, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_non_finite_logits_raise_instead_of_sampling(model):
+    bad = _poisoned(model, "lm_head.weight" if model.lm_head is not None else "embed_tokens.weight",
+                    float("nan"))
+    ids = random_ids(model.config, 1, 6, seed=1)
+    dec = StaticDecoder(bad, batch_size=1, prefill_chunk=4)
+    with pytest.raises(NonFiniteLogitsError, match="NaN or Inf logits"):
+        dec.generate(ids, max_new_tokens=3)
+    dec.reset()
+    with pytest.raises(NonFiniteLogitsError):
+        dec.prefill(ids)
+    dec.reset()
+    with pytest.raises(NonFiniteLogitsError):
+        dec.decode(ids[:, 0])
+    good = StaticDecoder(model, batch_size=1, prefill_chunk=4)  # the same calls pass on clean weights
+    assert good.generate(ids, max_new_tokens=3).shape == (1, 3)

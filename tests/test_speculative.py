@@ -1,0 +1,122 @@
+"""Speculative generation: greedy tokens equal plain greedy decoding's (golden tokens of the
+original code, prompt lookup and a draft decoder, padding and EOS), the acceptance rule leaves
+the target's distribution unchanged, prompt lookup finds what a plain n-gram search finds, and
+bad arguments raise before anything runs."""
+
+import os
+
+import pytest
+import torch
+from transformers.generation.logits_process import LogitsProcessorList
+
+from helpers import DATA, golden_case, random_ids, random_model
+from shram_static import StaticDecoder
+from shram_static.cli import main
+from shram_static.speculative import PromptLookup, _accept
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(target, draft) random models with one vocabulary; a prompt whose opening repeats."""
+    model = random_model(31, training_sequence_length=64, inference_sequence_length=64)
+    draft = random_model(32, vocab_size=model.config.vocab_size, num_decoder_layers=1,
+                         training_sequence_length=64, inference_sequence_length=64)
+    ids = random_ids(model.config, 2, 14, seed=31)
+    ids = torch.cat([ids, ids[:, :6]], 1)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, :3] = False  # left padding
+    return model, draft, ids, mask
+
+
+def counting_verify(dec):
+    calls = []
+    real = dec.verify
+    dec.verify = lambda *a, **k: calls.append(1) or real(*a, **k)
+    return calls
+
+
+def test_golden_greedy_tokens_with_prompt_lookup():
+    model, g = golden_case("main_basic")
+    P = int(g["prompt_len"])
+    dec = StaticDecoder(model, batch_size=g["input_ids"].shape[0], prefill_chunk=5)
+    n = g["greedy_tokens"].shape[1]
+    got = dec.generate(g["input_ids"][:, :P], g["attention_mask"][:, :P], max_new_tokens=n, speculate=3)
+    assert torch.equal(got, g["greedy_tokens"])
+
+
+@pytest.mark.parametrize("source", ["lookup", "draft", "self_draft"])
+def test_speculative_greedy_equals_greedy(pair, source):
+    """Prompt lookup, a smaller draft, and the target as its own draft (every guess accepted);
+    rows stop at EOS at different rounds; both give plain greedy's tokens."""
+    model, draft_model, ids, mask = pair
+    dec = StaticDecoder(model, batch_size=2, prefill_chunk=4)
+    want = dec.generate(ids, mask, max_new_tokens=30)
+    eos = int(want[0, 17])
+    want_eos = dec.generate(ids, mask, max_new_tokens=30, eos_token_id=eos, pad_token_id=1)
+    draft = {"lookup": None, "draft": StaticDecoder(draft_model, batch_size=2, prefill_chunk=3, verify_len=3),
+             "self_draft": StaticDecoder(model, batch_size=2, prefill_chunk=4)}[source]
+    calls = counting_verify(dec)
+    assert torch.equal(dec.generate(ids, mask, max_new_tokens=30, speculate=4, draft=draft), want)
+    assert len(calls) >= 3 if source != "self_draft" else len(calls) <= 30 // 4 + 2
+    got = dec.generate(ids, mask, max_new_tokens=30, eos_token_id=eos, pad_token_id=1, speculate=4, draft=draft)
+    assert torch.equal(got, want_eos)
+
+
+def test_acceptance_rule_keeps_the_target_distribution():
+    """Speculative sampling's first token is distributed as p, with a sampled draft (q) and with
+    a deterministic guess (prompt lookup); greedy keeps the argmax prefix."""
+    gen = torch.Generator().manual_seed(0)
+    V, n = 5, 6000
+    logits = torch.randn(2, V, generator=gen) * 1.5
+    p = torch.softmax(logits[0], -1)
+    q = torch.softmax(torch.randn(V, generator=gen), -1)
+    none, seen = LogitsProcessorList(), torch.zeros(0, dtype=torch.long)
+    for guess, qq in (("draft", q), ("lookup", None)):
+        counts = torch.zeros(V)
+        for _ in range(n):
+            d = int(torch.multinomial(q, 1, generator=gen)) if qq is not None else 3
+            counts[_accept(logits, [d], [qq] if qq is not None else None, none, seen, True, gen)[0]] += 1
+        assert (counts / n - p).abs().max() < 0.025, guess
+    top = int(logits[0].argmax())
+    assert _accept(logits, [top], None, none, seen, False, None) == [top, int(logits[1].argmax())]
+    assert _accept(logits, [(top + 1) % V], None, none, seen, False, None) == [top]
+
+
+def test_prompt_lookup_matches_a_plain_search():
+    gen = torch.Generator().manual_seed(1)
+    seq = torch.randint(0, 4, (60,), generator=gen).tolist()
+    lk = PromptLookup(max_ngram=3)
+    for i, t in enumerate(seq):
+        lk.extend([t])
+        s = seq[:i + 1]
+        want = []
+        for n in (3, 2, 1):  # latest earlier occurrence of the longest matching tail
+            hits = [j for j in range(len(s) - n) if s[j:j + n] == s[-n:]]
+            if len(s) > n and hits:
+                want = s[hits[-1] + n:hits[-1] + n + 4]
+                break
+        assert lk.propose(4) == want
+
+
+def test_bad_speculation_arguments_raise_first(pair):
+    model, draft_model, ids, mask = pair
+    dec = StaticDecoder(model, batch_size=2, prefill_chunk=4)
+    dec.prefill(ids[:, :3])
+    before = dec.live_counts
+    wrong_batch = StaticDecoder(draft_model, batch_size=1, prefill_chunk=4)
+    for kw, words in (({"speculate": 0}, "positive"), ({"speculate": 2.0}, "positive"),
+                      ({"draft": wrong_batch}, "batch_size"), ({"draft": "m"}, "HostDecoder")):
+        with pytest.raises(ValueError, match=words):
+            dec.generate(ids, mask, max_new_tokens=4, **kw)
+    assert torch.equal(dec.live_counts, before)
+
+
+def test_cli_speculate_and_draft_print_the_greedy_text(capsys):
+    path = os.path.join(DATA, "main_basic")
+    base = ["generate", "--prompt", "The cat. The cat", "--checkpoint", path, "--max-new-tokens", "16",
+            "--prefill-chunk", "4"]
+    assert main(base) == 0
+    want = capsys.readouterr().out
+    for extra in (["--speculate", "3"], ["--draft", path]):
+        assert main(base + extra) == 0
+        assert capsys.readouterr().out == want
