@@ -223,3 +223,35 @@ def test_rollback_and_speculation_without_a_verify_graph(builtin):
     tok = torch.tensor([33, 34])
     assert (dec.decode(tok) - ref.decode(tok)).abs().max() < 1e-4
     assert torch.equal(dec.generate(ids, max_new_tokens=24, speculate=3), ref.generate(ids, max_new_tokens=24))
+
+
+def test_rows_join_and_restart_while_others_decode(builtin):
+    """Continuous batching on the exported graphs: row 1 restarts at position 0 and prefills a
+    chunk in the same prefill-shape step that carries row 0's next decode token; each row's
+    logits are those of its own sequence alone (the uncached forward)."""
+    paths, model = builtin
+    dec = load_onnx(paths["decode"])
+    V, C = model.config.vocab_size, dec.prefill_chunk
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randint(0, V, (12,), generator=gen)  # row 0's sequence
+    b_old = torch.randint(0, V, (9,), generator=gen)  # row 1's first sequence, then abandoned
+    b = torch.randint(0, V, (C,), generator=gen)  # row 1's new prompt: one whole chunk
+    dec.prefill(torch.stack([a[:10], torch.cat([b_old, b_old[:1]])]), torch.tensor([[1] * 10, [1] * 9 + [0]]))
+    dec.reset_rows([1])
+    assert dec.live_counts.tolist() == [10, 0]
+    ids = torch.zeros(2, C, dtype=torch.long)
+    ids[0, 0], ids[1] = a[10], b
+    live = torch.zeros(2, C, dtype=torch.bool)
+    live[0, 0], live[1] = True, True
+    got = dec.step(ids, live)  # (2, C, V)
+    assert dec.live_counts.tolist() == [11, C]
+    nxt = dec.step(torch.stack([a[11:12], b[:1]]), torch.tensor([[True], [False]]))  # row 1 idle
+    with torch.no_grad():
+        ref_a = model(a[None]).logits[0]  # (12, V)
+        ref_b = model(b[None]).logits[0]  # (C, V)
+    assert (got[0, 0] - ref_a[10]).abs().max() < 1e-3
+    assert (got[1] - ref_b).abs().max() < 1e-3
+    assert (nxt[0, 0] - ref_a[11]).abs().max() < 1e-3
+    with pytest.raises(ValueError):  # a bad row leaves every count as it was
+        dec.reset_rows([2])
+    assert dec.live_counts.tolist() == [12, C]
