@@ -6,6 +6,7 @@ splitting prompts into fixed-size chunks, and sampling. A backend implements onl
 `_run(tokens, input_pos, live)` for C = 1 (decode) and C = prefill_chunk (prefill).
 """
 
+import numpy as np
 import torch
 from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
@@ -21,7 +22,14 @@ def _check_finite(logits: torch.Tensor, live: torch.Tensor) -> None:
     """Raises NonFiniteLogitsError if the logits (B, C, V) of a live token (live (B, C)) hold a
     NaN or an Inf. WHY: sampling from them would silently emit token 0 (argmax of NaN) forever.
     The step has run (its state holds the token); `reset()` or `reset_rows` starts over."""
-    bad = ~torch.isfinite(logits).all(-1) & live.to(logits.device)  # (B, C)
+    if logits.device.type == "cpu":
+        # WHY numpy on CPU: torch's isfinite over (B, C, V) opens an OpenMP parallel region whose
+        # workers then spin on the core the next step's runtime (onnxruntime, XNNPACK) needs;
+        # numpy checks the same on one thread.
+        fin = torch.from_numpy(np.isfinite(logits.detach().float().numpy()).all(-1))
+    else:
+        fin = torch.isfinite(logits).all(-1).cpu()
+    bad = ~fin & live.cpu()  # (B, C)
     if bool(bad.any()):
         rows = sorted({int(r) for r in bad.nonzero()[:, 0]})
         raise NonFiniteLogitsError(
