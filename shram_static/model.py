@@ -227,7 +227,7 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
                 k = apply_rope(k, cos_l[:, None], sin_l[:, None])
                 y = la.out(masked_attention(q, k, v, local_bias, 1 / math.sqrt(cfg.head_dim), local_seen))
                 sa = layer.attention.sparse_attention
-                idx, P, _ = route(h, sa.router.routing_weight, live, start, taken, cfg.num_selected_heads)
+                idx, P = route(h, sa.router.routing_weight, live, start, taken, cfg.num_selected_heads)
                 routing.append(torch.where(live[..., None], idx, -1))
                 return y + self._mosrah_dense(sa.bea, h, live, pos, idx, P, tri)
             x = layer(x, attn)

@@ -13,7 +13,7 @@ from .entmax import entmax12
 
 
 def block_select(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken: torch.Tensor,
-                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 k: int) -> torch.Tensor:
     """Block-balanced selection of K experts per live token.
 
     A row's live tokens form blocks of W = L/K tokens counted from the row's first live
@@ -29,20 +29,19 @@ def block_select(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken
         k: K, experts per token.
 
     Returns:
-        idx: (B, C, K) int64 experts in top-k order (unspecified at dead tokens).
-        taken_out: (B, L) bool, experts taken in the block open after the chunk.
+        idx: (B, C, K) int64 experts in top-k order (unspecified at dead tokens). The experts
+        taken after the chunk are not returned: the static state derives them from its routing
+        history (`state.py`).
     """
     B, C, L = z.shape
-    ar = torch.arange(L, device=z.device)
     if C == 1:
         # WHY a one-token form (a static shape, not a data branch): one token is step
         # `start % W` of its block, so it takes the top-K of the experts not yet taken, and the
         # block machinery below (cumsum, block one-hots, three bmm) reduces to a masked top-k.
         # The exported decode step runs every one of those ops as a portable kernel per layer.
-        top = torch.where(taken[:, None], float("-inf"), z).topk(k, dim=-1).indices  # (B, 1, K)
-        sel = (top[..., None] == ar).any(-2) & live[..., None]  # (B, 1, L)
-        return top, taken | sel[:, 0]
+        return torch.where(taken[:, None], float("-inf"), z).topk(k, dim=-1).indices  # (B, 1, K)
     W = L // k
+    ar = torch.arange(L, device=z.device)
     nb = (W + C - 2) // W + 1  # blocks a chunk of C tokens can touch
     rank = live.long().cumsum(1) - 1  # (B, C) live tokens before each token in the chunk
     off = (start % W)[:, None]  # (B, 1)
@@ -60,18 +59,11 @@ def block_select(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken
         idx = torch.where(act[..., None], top, idx)
         sel = (top[..., None] == ar).any(-2) & act[..., None]  # (B, C, L)
         taken_blk = taken_blk + torch.bmm(blk_oh.transpose(1, 2), sel.to(z.dtype))
-    n = live.long().sum(1)  # (B,)
-    last = ((off[:, 0] + n - 1) // W).clamp(0, nb - 1)  # block of the last live token
-    last_oh = (last[:, None] == torch.arange(nb, device=z.device)).to(z.dtype)  # (B, nb)
-    out = torch.bmm(last_oh[:, None], taken_blk)[:, 0] > 0.5  # (B, L)
-    has = (n > 0)[:, None]
-    # bool logic instead of where: onnxruntime has no Where kernel for bool (TOOLCHAIN_NOTES).
-    taken_out = (out & has) | (taken & ~has)
-    return idx, taken_out
+    return idx
 
 
 def route(h: torch.Tensor, routing_weight: torch.Tensor, live: torch.Tensor, start: torch.Tensor,
-          taken: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          taken: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Router of one layer: logits, entmax scores, block-balanced selection and weights.
 
     Args:
@@ -80,7 +72,7 @@ def route(h: torch.Tensor, routing_weight: torch.Tensor, live: torch.Tensor, sta
         live, start, taken, k: as in `block_select`.
 
     Returns:
-        idx: (B, C, K) selected experts; P: (B, C, K) weights in h's dtype; taken_out: (B, L).
+        idx: (B, C, K) selected experts; P: (B, C, K) weights in h's dtype.
     """
     z = F.linear(h, routing_weight).float()  # (B, C, L); linear, as XNNPACK delegates it
     if torch.is_grad_enabled() and z.requires_grad:
@@ -94,7 +86,7 @@ def route(h: torch.Tensor, routing_weight: torch.Tensor, live: torch.Tensor, sta
         scores = entmax.entmax_bisect(z, alpha=1.2)
     else:
         scores = entmax12(z)
-    idx, taken_out = block_select(z, live, start, taken, k)
+    idx = block_select(z, live, start, taken, k)
     ps = scores.gather(-1, idx)  # (B, C, K)
     P = ps / ps.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-    return idx, P.to(h.dtype), taken_out
+    return idx, P.to(h.dtype)

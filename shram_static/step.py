@@ -195,7 +195,7 @@ def _layer_step(layer, rope, x: torch.Tensor, *flat):
             taken = ((prev == sh.ar_l) & sh.hist_open).view(B, (W - 1) * K, L).any(1)  # (B, L)
         else:  # one token per block: nothing is ever taken
             taken = torch.zeros(B, L, dtype=torch.bool, device=h.device)
-        idx, P, _ = route(h, sa.router.routing_weight, live, input_pos, taken, K)
+        idx, P = route(h, sa.router.routing_weight, live, input_pos, taken, K)
         routes = _write(routes, sh.route_rows, idx.reshape(B * C, K), inplace)
         routing.append(torch.where(live[..., None], idx, -1))
         held = (sh.blocks_done + taken.long())[:, None, :]  # (B, 1, L) tokens per expert
