@@ -1,11 +1,12 @@
 """Where the compiled decode step's time goes, per Inductor kernel and host-side call.
 
 Compiles `StaticDecoder(compile=True)` at each batch size, fills the state to `--context`, then
-runs `--steps` decode steps under torch.profiler with Inductor's per-kernel profiling on
+runs `--steps` decode steps (or, with `--verify K`, verify steps of K + 1 tokens, each rolled
+back) under torch.profiler with Inductor's per-kernel profiling on
 (`cpp.enable_kernel_profile`, which names each generated C++ kernel in the trace), and prints
 the entries that take the most self CPU time per step.
 
-    python benchmarks/compiled_profile.py [--model bench|builtin|DIR] [--batch-sizes 1 4]
+    python benchmarks/compiled_profile.py [--model bench|builtin|DIR] [--batch-sizes 1 4] [--verify K]
 """
 
 import argparse
@@ -15,24 +16,32 @@ import time
 import torch
 
 
-def profile(model, batch_size: int, context: int, steps: int, top: int) -> None:
+def profile(model, batch_size: int, context: int, steps: int, top: int, verify: int = 0) -> None:
     """Prints the warm-up time, ms per step under the profiler, and the top entries."""
     from shram_static import StaticDecoder
 
     V, B = model.config.vocab_size, batch_size
-    dec = StaticDecoder(model, batch_size=B, prefill_chunk=32, compile=True)
-    ids = torch.randint(0, V, (B, context + 1), generator=torch.Generator().manual_seed(0))
+    dec = StaticDecoder(model, batch_size=B, prefill_chunk=32, compile=True, verify_len=verify + 1 if verify else None)
+    ids = torch.randint(0, V, (B, context + verify + 1), generator=torch.Generator().manual_seed(0))
+
+    def one_step():
+        if verify:
+            dec.verify(ids[:, context:context + verify + 1])
+            dec.rollback(verify + 1)
+        else:
+            dec.decode(ids[:, context])
+
     t = time.perf_counter()
     dec.prefill(ids[:, :context])
     for _ in range(6):
-        dec.decode(ids[:, context])
+        one_step()
     print(f"B={B}: warm-up {time.perf_counter() - t:.1f} s")
     if int(dec.live_counts.max()) + steps > dec.capacity:
         raise ValueError(f"--context {context} + --steps {steps} exceed the capacity {dec.capacity}")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
         for _ in range(steps):
-            dec.decode(ids[:, context])
+            one_step()
         wall = (time.perf_counter() - t) / steps * 1e3
     print(f"B={B}: {wall:.2f} ms/step under the profiler")
     rows = sorted(((e.self_cpu_time_total / steps / 1e3, e.count // steps, e.key) for e in prof.key_averages()),
@@ -49,13 +58,15 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=64, help="tokens prefilled before profiling")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=25, help="entries printed per batch size")
+    p.add_argument("--verify", type=int, default=0, metavar="K",
+                   help="profile the verify step of K + 1 tokens instead of the decode step")
     args = p.parse_args(argv)
     from shram_static.bench import build_model
 
     model = build_model(args.model).eval()
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
         for B in args.batch_sizes:
-            profile(model, B, args.context, args.steps, args.top)
+            profile(model, B, args.context, args.steps, args.top, args.verify)
     return 0
 
 

@@ -2,6 +2,8 @@
 
 import torch
 
+from .reductions import small_bmm
+
 
 def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Additive score bias for `masked_attention`: 0 where `mask` (bool (..., Q, S)) is True,
@@ -38,7 +40,7 @@ def slot_bias(last: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> to
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                     scale: float, seen: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, seen: torch.Tensor | None = None, small: bool = False) -> torch.Tensor:
     """softmax(q k^T * scale + bias) v, with rows that see nothing giving 0.
 
     Explicit matmul + masked softmax rather than SDPA: SDPA's fully-masked rows give 0 in
@@ -51,6 +53,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
         seen: `mask.any(-1, keepdim=True)` as 1.0/0.0, broadcastable to (..., Q, 1), zeroing
             rows that see no key; None when every query sees at least one key.
         scale: score scale.
+        small: a few queries (the verify step): both products as `reductions.small_bmm`.
 
     Returns:
         (..., Q, u).
@@ -61,15 +64,16 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     # expand + bmm, and ExecuTorch runs each expand as a portable copy of the whole cache
     # (its XNNPACK partitioner does not take expand_copy).
     q3, k3, v3 = q.reshape(-1, Q, u), k.reshape(-1, S, u), v.reshape(-1, S, u)  # same leading dims
+    mm = small_bmm if small and Q > 1 else torch.bmm  # one query: Inductor fuses the bmm itself
     # WHY the smaller side transposed: a transpose is a whole-tensor copy in the XNNPACK delegate
     # (bmm has no transposed-operand form there), so one query per row (decode, every sparse
     # query) computes (k q^T)^T and copies Q*S scores instead of the S*u keys.
-    if Q < u:
+    if Q < u and mm is torch.bmm:
         s = torch.bmm(k3, q3.transpose(1, 2)).transpose(1, 2)  # (N, Q, S)
     else:
-        s = torch.bmm(q3, k3.transpose(1, 2))
+        s = mm(q3, k3.transpose(1, 2))
     s = s.view(*lead, Q, S) * scale + bias  # (..., Q, S)
     a = torch.softmax(s, dim=-1)
     if seen is not None:
         a = a * seen
-    return torch.bmm(a.reshape(-1, Q, S), v3).view(*lead, Q, u)
+    return mm(a.reshape(-1, Q, S), v3).view(*lead, Q, u)

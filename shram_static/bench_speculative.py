@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from .arguments import positive_int
 from .console import info
 
 # The opening of Shakespeare's Sonnet 18 (public domain): the passage of the grounded prompt.
@@ -67,26 +68,51 @@ def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> tu
     return statistics.median(td), statistics.median(tv)
 
 
+class _FirstToken:
+    """A streamer that notes when the first new token arrives (the prompt is put first): the
+    time after it is the generation's own, without the prompt's prefill (the same for both)."""
+
+    def __init__(self, clock):
+        self.clock, self.puts, self.at = clock, 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.at = self.clock()
+
+    def end(self) -> None:
+        pass
+
+
 def run_prompt(dec, ids: torch.Tensor, n: int, k: int, rounds: int, clock=time.perf_counter) -> dict:
+    """Plain and speculative greedy generation of n tokens after `ids`, alternating, `rounds`
+    times each: medians of tokens/s over the whole call and after the first new token."""
     from transformers.generation.logits_process import LogitsProcessorList
 
     from .speculative import speculative_generate
     live = torch.ones_like(ids, dtype=torch.bool)
-    plain_s, spec_s, stats = [], [], {}
+    plain_s, spec_s, plain_g, spec_g, stats = [], [], [], [], {}
     for _ in range(rounds):
+        first = _FirstToken(clock)
         t0 = clock()
-        want = dec.generate(ids, max_new_tokens=n)
+        want = dec.generate(ids, max_new_tokens=n, streamer=first)
         t1 = clock()
-        got = speculative_generate(dec, ids, live, n, False, LogitsProcessorList(), None, None, 0, None, k,
+        plain_g.append(t1 - first.at)
+        first = _FirstToken(clock)
+        got = speculative_generate(dec, ids, live, n, False, LogitsProcessorList(), None, None, 0, first, k,
                                    None, stats)
         t2 = clock()
+        spec_g.append(t2 - first.at)
         if not torch.equal(got, want):
             raise RuntimeError("speculative greedy tokens differ from plain greedy decoding's")
         plain_s.append(t1 - t0)
         spec_s.append(t2 - t1)
     p, s = statistics.median(plain_s), statistics.median(spec_s)
+    pg, sg = statistics.median(plain_g), statistics.median(spec_g)
     ks = stats["k"]
-    return {"plain_tok_s": n / p, "spec_tok_s": n / s, "speedup": p / s, "verify_steps": stats["rounds"],
+    return {"plain_tok_s": n / p, "spec_tok_s": n / s, "speedup": p / s,
+            "plain_gen_tok_s": (n - 1) / pg, "spec_gen_tok_s": (n - 1) / sg, "gen_speedup": pg / sg,
+            "verify_steps": stats["rounds"],
             "decode_steps": stats["decodes"], "kept_per_verify": stats["accepted"] / max(1, stats["rounds"]),
             "tokens_per_step": n / max(1, stats["rounds"] + stats["decodes"]),
             "k_mean": sum(ks) / max(1, len(ks))}
@@ -111,7 +137,7 @@ def bench_speculative(args) -> int:
         info(f"{args.model} on {args.backend}, batch 1, k = {k}: warming up ...")
         dec.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
         dec.generate(torch.tensor([[1, 2, 3, 1, 2]]), max_new_tokens=4, speculate=k)
-        step_costs(dec, k, 64, 3)
+        step_costs(dec, k, min(64, args.context), 3)
         td, tv = step_costs(dec, k, args.context, args.steps, clock)
         print(f"{args.model} {args.backend}: decode step {td * 1e3:.2f} ms, verify step of {k + 1} tokens "
               f"{tv * 1e3:.2f} ms: verify / decode = {tv / td:.2f} (context {args.context})")
@@ -122,7 +148,9 @@ def bench_speculative(args) -> int:
             ids = torch.tensor([tok.encode(PROMPTS[name])])
             r = run_prompt(dec, ids, args.max_new_tokens, k, args.rounds, clock)
             print(f"{name} ({ids.shape[1]} prompt tokens, {args.max_new_tokens} new): plain {r['plain_tok_s']:.0f} "
-                  f"tok/s, speculative {r['spec_tok_s']:.0f} tok/s = {r['speedup']:.2f}x; {r['verify_steps']} verify "
+                  f"tok/s, speculative {r['spec_tok_s']:.0f} tok/s = {r['speedup']:.2f}x with the prompt's prefill; "
+                  f"after the first token {r['plain_gen_tok_s']:.0f} vs {r['spec_gen_tok_s']:.0f} tok/s = "
+                  f"{r['gen_speedup']:.2f}x; {r['verify_steps']} verify "
                   f"+ {r['decode_steps']} decode steps, {r['kept_per_verify']:.2f} guesses kept per verify, "
                   f"{r['tokens_per_step']:.2f} tokens per step, mean k {r['k_mean']:.2f}")
     return 0
@@ -134,13 +162,13 @@ def register(subparsers) -> None:
                                                         "and a verify step's cost against a decode step's")
     p.add_argument("--model", default="builtin", help="'builtin', 'bench' or a checkpoint directory")
     p.add_argument("--backend", default="compiled", choices=["eager", "compiled", "pte", "onnx"])
-    p.add_argument("--speculate", type=int, default=4, metavar="K", help="guesses per verify step")
-    p.add_argument("--max-new-tokens", type=int, default=400, metavar="N")
+    p.add_argument("--speculate", type=positive_int, default=4, metavar="K", help="guesses per verify step")
+    p.add_argument("--max-new-tokens", type=positive_int, default=400, metavar="N")
     p.add_argument("--prompts", nargs="*", choices=list(PROMPTS), help="default: all (none for the bench model)")
-    p.add_argument("--context", type=int, default=256, help="context of the step-cost measurement")
-    p.add_argument("--steps", type=int, default=40, help="alternating decode/verify steps timed")
-    p.add_argument("--rounds", type=int, default=3, help="plain/speculative runs per prompt, alternating")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--context", type=positive_int, default=256, help="context of the step-cost measurement")
+    p.add_argument("--steps", type=positive_int, default=40, help="alternating decode/verify steps timed")
+    p.add_argument("--rounds", type=positive_int, default=3, help="plain/speculative runs per prompt, alternating")
+    p.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
     p.add_argument("--cpu-time", action="store_true",
                    help="time by the process's CPU time instead of wall time (a loaded, shared machine)")
     p.set_defaults(func=bench_speculative)

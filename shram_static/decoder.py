@@ -56,7 +56,9 @@ class StaticDecoder(HostDecoder):
             False: check the guards on every call (what `fail_on_recompile` tests need).
         verify_len: tokens per row of the verify step (`verify`: the last accepted token and
             up to verify_len - 1 guesses, speculative decoding), its own compiled function;
-            None: no verify step (verification then runs as prefill).
+            None: no verify step (verification then runs as prefill). Steps of at most
+            verify_len tokens per row attend per token, as the decode step does (`step.step`'s
+            per_token_max); longer prefill chunks attend expert by expert.
         rollback_limit: the most tokens a row can forget at once (`rollback`); the state is
             built for max(prefill_chunk, verify_len, rollback_limit) (see `state.py`).
 
@@ -78,11 +80,13 @@ class StaticDecoder(HostDecoder):
         self.state = StaticState(model.config, batch_size, prefill_chunk, dtype=p.dtype, device=p.device,
                                  rollback_limit=max(rollback_limit or 0, verify_len or 0))
         self.rollback_limit, self.verify_len = self.state.rollback_limit, verify_len
-        self.module = StepModule(self.model, self.state)
+        # The verify step (a few tokens per row) attends per token, as the decode step does.
+        few = verify_len or 1
+        self.module = StepModule(self.model, self.state, per_token_max=few)
         self.decode_module = self.module
         decode_options = NO_SIZE_ASSERTS
         if compile and batch_size <= FEW_ROWS and p.device.type == "cpu":
-            self.decode_module = StepModule(row_linear_(shared_copy(self.model)), self.state)
+            self.decode_module = StepModule(row_linear_(shared_copy(self.model)), self.state, per_token_max=few)
             if batch_size > 1:
                 decode_options = {**NO_SIZE_ASSERTS, **ROW_INPUTS_STORED}
         self.compiled = compile

@@ -25,3 +25,32 @@ def max_last(y: torch.Tensor) -> torch.Tensor:
         m = torch.maximum(y[..., :h], y[..., h:2 * h])
         y = torch.cat([m, y[..., 2 * h:]], dim=-1) if y.shape[-1] % 2 else m
     return y
+
+
+def small_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`torch.bmm(a, b)` as a broadcast product summed over the shared dim: (N, M, k) x (N, k, P)
+    -> (N, M, P), for the few-token step's tiny matrices.
+
+    WHY: Inductor turns a bmm on CPU into fused loops only when M or P is 1; any other is an
+    extern call into the BLAS per layer, whose fixed cost dwarfs a product of a few rows. The
+    same sum over a broadcast product is one fused reduction.
+    """
+    return (a[:, :, :, None] * b[:, None, :, :]).sum(2)
+
+
+def exclusive_cumsum(x: torch.Tensor, small: bool = False) -> torch.Tensor:
+    """Sum of the earlier entries along dim 1 (not counting the entry itself), int64:
+    (B, C, ...) -> (B, C, ...).
+
+    Args:
+        x: bool or integer tensor.
+        small: for a few entries: the sum over a strictly-lower-triangular mask, one fused
+            reduction under Inductor (its CPU cumsum is an extern call per use).
+    """
+    x = x.long()
+    if not small:
+        return x.cumsum(1) - x
+    C = x.shape[1]
+    ar = torch.arange(C, device=x.device)
+    tri = (ar[:, None] > ar[None, :]).view(1, C, C, *([1] * (x.dim() - 2)))  # (1, C, C', ...) c' < c
+    return (x[:, None] * tri).sum(2)

@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from .entmax import entmax12
+from .reductions import exclusive_cumsum, small_bmm
 
 
 def block_select(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken: torch.Tensor,
-                 k: int) -> torch.Tensor:
+                 k: int, small: bool = False) -> torch.Tensor:
     """Block-balanced selection of K experts per live token.
 
     A row's live tokens form blocks of W = L/K tokens counted from the row's first live
@@ -27,6 +28,8 @@ def block_select(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken
         taken: (B, L) bool, experts taken in the block that is open at `start` (the caller
             passes all False when `start % W == 0`: no block is open then).
         k: K, experts per token.
+        small: a chunk of a few tokens (the verify step): its prefix sums and block products as
+            fused reductions (`reductions.small_bmm`), the same selection.
 
     Returns:
         idx: (B, C, K) int64 experts in top-k order (unspecified at dead tokens). The experts
@@ -43,7 +46,9 @@ def block_select(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken
     W = L // k
     ar = torch.arange(L, device=z.device)
     nb = (W + C - 2) // W + 1  # blocks a chunk of C tokens can touch
-    rank = live.long().cumsum(1) - 1  # (B, C) live tokens before each token in the chunk
+    # (B, C) live tokens before each (live) token in the chunk
+    rank = exclusive_cumsum(live, small=True) if small else live.long().cumsum(1) - 1
+    mm = small_bmm if small else torch.bmm
     off = (start % W)[:, None]  # (B, 1)
     g = off + rank  # frame index, block 0 starting at the carried block's first slot
     blk = (g // W).clamp(0, nb - 1)  # (B, C)
@@ -54,22 +59,22 @@ def block_select(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken
     idx = torch.zeros(B, C, k, dtype=torch.long, device=z.device)
     for i in range(min(C, W)):
         act = live & (step == i)  # (B, C): at most one token per block
-        tk = torch.bmm(blk_oh, taken_blk)  # (B, C, L) experts taken in each token's block
+        tk = mm(blk_oh, taken_blk)  # (B, C, L) experts taken in each token's block
         top = torch.where(tk > 0.5, float("-inf"), z).topk(k, dim=-1).indices  # (B, C, K)
         idx = torch.where(act[..., None], top, idx)
         sel = (top[..., None] == ar).any(-2) & act[..., None]  # (B, C, L)
-        taken_blk = taken_blk + torch.bmm(blk_oh.transpose(1, 2), sel.to(z.dtype))
+        taken_blk = taken_blk + mm(blk_oh.transpose(1, 2), sel.to(z.dtype))
     return idx
 
 
 def route(h: torch.Tensor, routing_weight: torch.Tensor, live: torch.Tensor, start: torch.Tensor,
-          taken: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+          taken: torch.Tensor, k: int, small: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Router of one layer: logits, entmax scores, block-balanced selection and weights.
 
     Args:
         h: normed hidden states (B, C, d).
         routing_weight: (L, d).
-        live, start, taken, k: as in `block_select`.
+        live, start, taken, k, small: as in `block_select`.
 
     Returns:
         idx: (B, C, K) selected experts; P: (B, C, K) weights in h's dtype.
@@ -86,7 +91,7 @@ def route(h: torch.Tensor, routing_weight: torch.Tensor, live: torch.Tensor, sta
         scores = entmax.entmax_bisect(z, alpha=1.2)
     else:
         scores = entmax12(z)
-    idx = block_select(z, live, start, taken, k)
+    idx = block_select(z, live, start, taken, k, small)
     ps = scores.gather(-1, idx)  # (B, C, K)
     P = ps / ps.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
     return idx, P.to(h.dtype)

@@ -26,7 +26,7 @@ import torch
 # prompt-lookup guesses are worth verifying: a round must keep VERIFY_COST - 1 guesses on
 # average to beat plain decoding. A constant, not a timing, so that seeded sampling stays
 # reproducible; `shram-static bench-speculative` measures the ratio (docs/performance.md).
-VERIFY_COST = 2.0
+VERIFY_COST = 1.5
 PROBE_EVERY = 8  # a gated-off prompt lookup still verifies one round in this many
 
 

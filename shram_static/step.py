@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .attention import attention_bias, masked_attention, slot_bias
+from .reductions import exclusive_cumsum
 from .rope import apply_rope
 from .routing import route
 from .state import StaticState
@@ -63,10 +64,12 @@ class Dims(NamedTuple):
     local_scale: float
     sparse_scale: float
     inplace: bool
+    few: bool  # C <= per_token_max: attend per token (see `step`)
 
 
 def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torch.Tensor,
-         live: torch.Tensor, ring: int, inplace: bool) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+         live: torch.Tensor, ring: int, inplace: bool,
+         per_token_max: int = 1) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """Runs C tokens per row through the model, reading and updating the static state.
 
     Args:
@@ -78,6 +81,10 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
         live: (B, C) bool, which tokens are live.
         ring: R, slots of the local ring (window + Nr - 1); C must be <= R - window + 1.
         inplace: mutate `state` (True) or return new tensors (False).
+        per_token_max: a step of at most this many tokens per row (decode; the verify step of
+            speculative decoding) attends each token's K experts through their gathered caches
+            and does its chunk arithmetic as fused reductions (`reductions.small_bmm`); a longer
+            one (prefill) attends expert by expert (`_attend_by_expert`). The same logits.
 
     Returns:
         logits (B, C, V) (unspecified at dead tokens), the new state list, and the selected
@@ -88,7 +95,7 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
     H, L, u = cfg.num_sliding_window_heads, cfg.num_mosrah_heads, cfg.head_dim
     Wn, W, R, T = cfg.window_size, cfg.block_length, ring, cfg.mosrah_cache_length
     dims = Dims(B, C, H, L, cfg.num_selected_heads, u, R, T, 1 / math.sqrt(u),
-                model.rope.sparse_factor / math.sqrt(u), inplace)
+                model.rope.sparse_factor / math.sqrt(u), inplace, C <= per_token_max)
     if cfg.inference_sequence_length >= 2 ** 24:  # slot numbers are compared in float32 (`slot_bias`)
         raise ValueError(f"inference_sequence_length must be below 2**24, got {cfg.inference_sequence_length}")
     if C > R - Wn + 1:
@@ -164,7 +171,7 @@ def _layer_step(layer, rope, x: torch.Tensor, *flat):
     n = 5 + len(Shared._fields)
     routes, lk, lv, sk, sv = flat[:5]
     sh, dims = Shared(*flat[5:n]), Dims(*flat[n:])
-    B, C, H, L, K, u, R, T, local_scale, sparse_scale, inplace = dims
+    B, C, H, L, K, u, R, T, local_scale, sparse_scale, inplace, few = dims
     live, input_pos = sh.live, sh.input_pos
     W = L // K  # tokens per routing block
     N = routes.shape[0] // B - 1  # routing-history rows per batch row
@@ -180,7 +187,7 @@ def _layer_step(layer, rope, x: torch.Tensor, *flat):
         lv = _write(lv, sh.ring_rows, v.reshape(-1, u), inplace)
         kr = lk.view(B, H, R + 1, u)  # (B, H, R+1, u), the sink row masked
         vr = lv.view(B, H, R + 1, u)
-        y = la.out(masked_attention(q, kr, vr, sh.local_bias, local_scale, sh.local_seen))  # (B, C, d)
+        y = la.out(masked_attention(q, kr, vr, sh.local_bias, local_scale, sh.local_seen, few))  # (B, C, d)
 
         # Sparse path: route, then touch only the K selected experts of each token.
         sa = layer.attention.sparse_attention
@@ -195,7 +202,7 @@ def _layer_step(layer, rope, x: torch.Tensor, *flat):
             taken = ((prev == sh.ar_l) & sh.hist_open).view(B, (W - 1) * K, L).any(1)  # (B, L)
         else:  # one token per block: nothing is ever taken
             taken = torch.zeros(B, L, dtype=torch.bool, device=h.device)
-        idx, P = route(h, sa.router.routing_weight, live, input_pos, taken, K)
+        idx, P = route(h, sa.router.routing_weight, live, input_pos, taken, K, few)
         routes = _write(routes, sh.route_rows, idx.reshape(B * C, K), inplace)
         routing.append(torch.where(live[..., None], idx, -1))
         held = (sh.blocks_done + taken.long())[:, None, :]  # (B, 1, L) tokens per expert
@@ -203,7 +210,7 @@ def _layer_step(layer, rope, x: torch.Tensor, *flat):
         if C > 1:  # plus earlier tokens of the chunk (a static shape: there are none at decode)
             chosen = idx.view(B, C, K, 1) == sh.ar_l  # (B, C, K, L), made once per layer
             sel = chosen.any(-2) & live[..., None]  # (B, C, L)
-            held = held + sel.long().cumsum(1) - sel.long()  # (B, C, L)
+            held = held + exclusive_cumsum(sel, few)  # (B, C, L)
             hot = chosen.to(h.dtype).view(B * C, K, L)  # for `_attend_by_expert` and `bea.select`
         slot = held.gather(-1, idx)  # (B, C, K) index in S_l
         head = sh.head_base + idx  # (B, C, K) row of (b, l) in the cache
@@ -217,7 +224,7 @@ def _layer_step(layer, rope, x: torch.Tensor, *flat):
         sk = _write(sk, rows, ks.reshape(-1, u), inplace)
         sv = _write(sv, rows, vs.reshape(-1, u), inplace)
         # Every query sees at least slot 0 of its expert (dead ones too): no `seen` multiplier.
-        if C > 1:
+        if not few:
             ys = _attend_by_expert(qs, sk, sv, hot, held, sh, dims)
         else:
             hsel = head.reshape(-1)
@@ -256,7 +263,7 @@ def _attend_by_expert(qs: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, hot:
     Returns:
         (B, C, K, u) attention outputs, as the gathered form gives them.
     """
-    B, C, H, L, K, u, R, T, _, scale, _ = dims
+    B, C, H, L, K, u, R, T, _, scale, _, _ = dims
     # rows move between the K and L layouts as batched matmuls with the one-hot: exact (one 1 per
     # selected row, finite zeros elsewhere) and inside the XNNPACK delegate
     qg = torch.bmm(hot.transpose(1, 2), qs.reshape(B * C, K, u))  # (BC, L, u), 0 where not selected
@@ -274,18 +281,20 @@ class StepModule(nn.Module):
     Args:
         model: `ShramForCausalLM`.
         state: its `StaticState`.
+        per_token_max: steps of at most this many tokens per row attend per token (`step`).
     """
 
-    def __init__(self, model, state: StaticState):
+    def __init__(self, model, state: StaticState, per_token_max: int = 1):
         super().__init__()
         self.model = model
         self.state = state
+        self.per_token_max = per_token_max
         self.routing_log: list | None = None  # set to a list to record routing (eager only)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         """tokens (B, C) int64, input_pos (B,) int64, live (B, C) bool -> logits (B, C, V)."""
         logits, _, routing = step(self.model, self.state.tensors(), tokens, input_pos, live,
-                                  self.state.ring, inplace=True)
+                                  self.state.ring, inplace=True, per_token_max=self.per_token_max)
         if self.routing_log is not None:
             self.routing_log.append(routing)
         return logits
@@ -298,16 +307,19 @@ class FunctionalStep(nn.Module):
         model: `ShramForCausalLM`.
         state: a `StaticState` giving the ring size and the state order (its buffers are
             not used).
+        per_token_max: as in `StepModule`.
     """
 
-    def __init__(self, model, state: StaticState):
+    def __init__(self, model, state: StaticState, per_token_max: int = 1):
         super().__init__()
         self.model = model
         self.ring = state.ring
         self.names = state.names()
+        self.per_token_max = per_token_max
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor,
                 *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(tokens, input_pos, live, *state) -> (logits, *new_state)."""
-        logits, new_state, _ = step(self.model, list(state), tokens, input_pos, live, self.ring, inplace=False)
+        logits, new_state, _ = step(self.model, list(state), tokens, input_pos, live, self.ring, inplace=False,
+                                    per_token_max=self.per_token_max)
         return (logits, *new_state)

@@ -174,3 +174,71 @@ def counting_traces():
             unittest.mock.patch.object(torch.export.ExportedProgram, "run_decompositions",
                                        lambda *a, **k: traces.append("decompose") or decompose(*a, **k)):
         yield traces
+
+
+@contextlib.contextmanager
+def lowering_work(ours_module, ours_program):
+    """Counts what a `.pte` lowering does inside the block; yields a dict of lists:
+    "traces" (one entry per trace of our graph: `torch.export.export` of a module
+    `ours_module` accepts, `ExportedProgram.run_decompositions` of a program `ours_program`
+    accepts, `lowering.export_decomposed`), "passes" (the class name of every outermost fx graph
+    pass run) and "delegate_runs" (one per run of a delegate's original program). The patches
+    wrap the stock functions and are undone on exit."""
+    import importlib
+
+    from torch.fx.passes.infra.pass_base import PassBase
+
+    from shram_static.export import lowering
+
+    work = {"traces": [], "passes": [], "delegate_runs": []}
+    hop = importlib.import_module("torch._higher_order_ops.executorch_call_delegate")
+    run_delegate, decompose, export = hop.call_delegate_cpu, torch.export.ExportedProgram.run_decompositions, \
+        torch.export.export
+    one, run_pass, depth = lowering.export_decomposed, PassBase.__call__, []
+
+    def outermost(self, gm):
+        if not depth:
+            work["passes"].append(type(self).__name__)
+        depth.append(1)
+        try:
+            return run_pass(self, gm)
+        finally:
+            depth.pop()
+
+    traced = lambda: work["traces"].append(1)
+    with contextlib.ExitStack() as stack:
+        patch = lambda obj, name, fn: stack.enter_context(unittest.mock.patch.object(obj, name, fn))
+        patch(hop, "call_delegate_cpu", lambda *a: work["delegate_runs"].append(1) or run_delegate(*a))
+        patch(torch.export.ExportedProgram, "run_decompositions",
+              lambda self, *a, **k: (traced() if ours_program(self) else None) or decompose(self, *a, **k))
+        patch(torch.export, "export",
+              lambda mod, *a, **k: (traced() if ours_module(mod) else None) or export(mod, *a, **k))
+        patch(lowering, "export_decomposed", lambda *a, **k: traced() or one(*a, **k))
+        patch(PassBase, "__call__", outermost)
+        yield work
+
+
+VERIFY_CASE = "left_padded"  # the golden case (3 rows) whose decode-only exports also carry a verify step
+
+
+def check_verify_step(dec, model) -> None:
+    """An exported decoder with a verify step of 4 tokens (`verify_len=4`, decode only) against
+    the eager `StaticDecoder`: verify, a per-row rollback, decode, and speculative greedy
+    generation (prompt lookup) equal to plain greedy's tokens."""
+    from shram_static import StaticDecoder
+
+    B = dec.batch_size
+    assert dec.rollback_limit == 4 and dec.verify_len == 4
+    ref = StaticDecoder(model, B, 1, verify_len=4)
+    dec.reset()
+    ids = random_ids(model.config, B, 14, seed=3)
+    ids = torch.cat([ids, ids[:, :6]], 1)  # an opening that repeats: prompt lookup finds guesses
+    for d in (dec, ref):
+        d.prefill(ids[:, :9])
+    torch.testing.assert_close(dec.verify(ids[:, 9:13]), ref.verify(ids[:, 9:13]), atol=1e-4, rtol=1e-4)
+    back = torch.arange(B) % 4  # each row forgets 0..3 of the 4 tokens
+    dec.rollback(back)
+    ref.rollback(back)
+    torch.testing.assert_close(dec.decode(ids[:, 5]), ref.decode(ids[:, 5]), atol=1e-4, rtol=1e-4)
+    want = ref.generate(ids, max_new_tokens=24)
+    assert torch.equal(dec.generate(ids, max_new_tokens=24, speculate=3), want)

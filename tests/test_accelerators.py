@@ -11,7 +11,7 @@ import unittest.mock
 import pytest
 import torch
 
-from helpers import golden_case, golden_run
+from helpers import golden_case, golden_run, lowering_work
 from shram_static import accelerators
 from shram_static.accelerators import (REGISTRY, STOCK_ENV, UnsupportedVersionError, check_versions, enabled,
                                        set_stock, stock)
@@ -97,13 +97,21 @@ def test_importing_with_an_old_torch_names_the_supported_versions():
 
 
 @pytest.mark.heavy
-def test_stock_lowering_writes_the_same_program_and_tokens(tmp_path):
+def test_stock_lowering_writes_the_same_program_and_tokens(tmp_path, caplog):
     """A golden model's decode-only `.pte`, lowered with every accelerator this stack verifies
     and with none (`stock()`): the same bytes (debug handles aside: the one-trace export has no
     training IR to number them from; they are ETDump metadata, not the program), and the stock
-    program gives the golden logits and tokens."""
+    program gives the golden logits and tokens. The accelerated lowering does less work for
+    it: one trace for export and decomposition (stock: four), one trace for the per-op edge
+    conversions (stock: four passes), views to copies in place (stock: a re-trace), and no run
+    of a delegate's original program when re-tracing (stock: every one). XNNPACK's notice
+    against the two-step flow (whose support filter the fast path applies itself) is not shown."""
+    from executorch.exir.program import _program
+
     from shram_static.export import load_pte
+    from shram_static.export.edge_conversion import _PER_OP_EDGE_PASSES
     from shram_static.export.pte import lower_program
+    from shram_static.step import StepModule
 
     lowering = ["one_trace_lowering", "needed_xnnpack_passes", "needed_edge_passes", "one_edge_conversion_trace",
                 "delegate_outputs_from_metadata", "linear_partitioning", "shared_provenance", "lazy_recompiles",
@@ -113,12 +121,27 @@ def test_stock_lowering_writes_the_same_program_and_tokens(tmp_path):
     model, g = golden_case("main_basic")
     B = g["input_ids"].shape[0]
     handles = importlib.import_module("executorch.exir.passes.debug_handle_generator_pass")
+    ours_module = lambda mod: isinstance(getattr(mod, "step", None), StepModule)
+    ours_program = lambda ep: any("local_k" in b for b in ep.graph_signature.buffers)
+    generate = _program._generate_edge_program
     with unittest.mock.patch.object(handles, "get_greatest_ancestor_node_identifier",
                                     lambda node: f"{node.name}.{id(node.graph)}"):
-        fast = lower_program(model, batch_size=B, prefill_chunk=None, parallel=False).buffer
-        with stock():
+        caplog.set_level("WARNING")
+        with lowering_work(ours_module, ours_program) as fast_work:
+            fast = lower_program(model, batch_size=B, prefill_chunk=None, parallel=False).buffer
+        assert not [r for r in caplog.records if "DEPRECATION WARNING" in r.getMessage()]
+        with stock(), lowering_work(ours_module, ours_program) as stock_work:
             slow = lower_program(model, batch_size=B, prefill_chunk=None, parallel=False).buffer
+    assert _program._generate_edge_program is generate  # the accelerators restored what they patch
     assert fast == slow
+    assert (len(stock_work["traces"]), len(fast_work["traces"])) == (4, 1)
+    assert len(stock_work["delegate_runs"]) > 0 and len(fast_work["delegate_runs"]) == 0
+    sp, fp = stock_work["passes"], fast_work["passes"]
+    assert [sp.count(p) for p in _PER_OP_EDGE_PASSES] == [1] * len(_PER_OP_EDGE_PASSES)
+    assert [fp.count(p) for p in _PER_OP_EDGE_PASSES] == [0] * len(_PER_OP_EDGE_PASSES)
+    assert fp.count("FusedEdgeConversionPass") == 1
+    assert (sp.count("ReplaceViewOpsWithViewCopyOpsPass"), fp.count("ViewOpsToCopiesInPlace"),
+            fp.count("ReplaceViewOpsWithViewCopyOpsPass")) == (1, 1, 0)
     path = tmp_path / "stock.pte"
     path.write_bytes(slow)
     err, tokens = golden_run(load_pte(str(path)), g)

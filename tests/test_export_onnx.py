@@ -12,7 +12,7 @@ import onnx
 import pytest
 import torch
 
-from helpers import GOLDEN_CASES, counting_traces, golden_case, golden_run
+from helpers import GOLDEN_CASES, VERIFY_CASE, check_verify_step, counting_traces, golden_case, golden_run
 
 from shram_static import StaticDecoder
 from shram_static.export import ExportFormatError, export_onnx, load_onnx
@@ -51,20 +51,25 @@ def test_golden_on_the_shared_export(builtin):
 @pytest.mark.parametrize("name", [c for c in GOLDEN_CASES if c != SHARED_CASE])
 def test_golden_logits_and_greedy(name, tmp_path):
     """Decode-only exports (the prompts go token by token through the decode graph; the prefill
-    graph is checked on the shared export): golden logits and tokens. A prefill graph an
+    graph is checked on the shared export): golden logits and tokens; VERIFY_CASE's also has a
+    verify graph, checked against the eager decoder (`check_verify_step`). A prefill graph an
     earlier export left at the same path is removed; without its data file nothing loads."""
     model, g = golden_case(name)
     B = g["input_ids"].shape[0]
     stale = graph_paths(tmp_path / "m.onnx")["prefill"]
     with open(stale, "wb") as f:
         f.write(b"an earlier export's prefill graph")
-    paths = export_onnx(model, tmp_path / "m.onnx", batch_size=B, prefill_chunk=None)
-    assert sorted(paths) == ["data", "decode"] and not os.path.exists(stale)
+    verify = name == VERIFY_CASE  # plus the verify graph (speculative decoding), `m.verify.onnx`
+    paths = export_onnx(model, tmp_path / "m.onnx", batch_size=B, prefill_chunk=None,
+                        verify_len=4 if verify else None)
+    assert sorted(paths) == ["data", "decode", *(["verify"] if verify else [])] and not os.path.exists(stale)
     dec = load_onnx(paths["decode"])
-    assert dec.prefill_chunk == 1 and list(dec._graphs) == ["decode"]
+    assert dec.prefill_chunk == 1 and list(dec._graphs) == ["decode", *(["verify"] if verify else [])]
     err, tokens = golden_run(dec, g)
     assert err <= 1e-3, f"{name}: max abs logit error {err}"
     assert torch.equal(tokens, g["greedy_tokens"]), f"{name}: {tokens} != {g['greedy_tokens']}"
+    if verify:
+        check_verify_step(dec, model)
     os.remove(paths["data"])
     with pytest.raises(FileNotFoundError, match="data"):
         load_onnx(paths["decode"])

@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from helpers import GOLDEN_CASES, golden_case, golden_run, tiny_model
+from helpers import GOLDEN_CASES, VERIFY_CASE, check_verify_step, golden_case, golden_run, tiny_model
 
 from shram_static import StaticDecoder
 from shram_static.accelerators import enabled
@@ -115,10 +115,14 @@ def test_shared_program_lowered_in_two_processes(builtin):
 def test_golden_logits_and_greedy(name, tmp_path):
     model, g = golden_case(name)
     B = g["input_ids"].shape[0]
-    # decode only: the prompts go token by token, as the stock runner feeds them
-    path = export_pte(model, tmp_path / f"{name}.pte", batch_size=B, prefill_chunk=None)
+    # decode only: the prompts go token by token, as the stock runner feeds them; VERIFY_CASE's
+    # program also has a verify method (speculative decoding), checked against the eager decoder
+    verify = name == VERIFY_CASE
+    path = export_pte(model, tmp_path / f"{name}.pte", batch_size=B, prefill_chunk=None,
+                      verify_len=4 if verify else None)
     dec = load_pte(path)
     assert dec.batch_size == B and dec.prefill_chunk == 1 and "prefill" not in dec.method_names
+    assert ("verify" in dec.method_names) == verify and dec.meta["verify_method"] == ("verify" if verify else None)
     assert dec.meta["decode_method"] == ("forward" if B == 1 else "decode")
     err, tokens = golden_run(dec, g)
     assert err <= 1e-3, f"{name}: max abs logit error {err}"
@@ -126,6 +130,8 @@ def test_golden_logits_and_greedy(name, tmp_path):
     # no BOS/EOS given and none in the config: the LLM constant methods say so
     get = lambda m: dec._program.load_method(m).execute([])  # noqa: E731
     assert get("get_eos_ids") == [] and get("get_bos_id") == [-1] and get("get_max_batch_size") == [B]
+    if verify:
+        check_verify_step(dec, model)
 
 
 def test_stock_runner_generates_like_static_decoder(builtin, tmp_path):

@@ -8,7 +8,6 @@ the stock lowering's byte for byte in tests/test_accelerators.py.
 
 import contextlib
 import copy
-import importlib
 import operator
 import types
 import unittest.mock
@@ -330,7 +329,8 @@ def test_written_cache_views_rebased_on_the_buffer():
 
 
 # ----------------------------------------------------------------------------------------
-# Same program, less work: every speed-up against ExecuTorch's stock lowering, byte for byte
+# Same program, less work: the speed-ups against ExecuTorch's stock lowering (byte for byte on
+# a golden model's step: tests/test_accelerators.py)
 # ----------------------------------------------------------------------------------------
 
 class _Mixed(torch.nn.Module):
@@ -372,106 +372,6 @@ def _exported(methods: dict) -> dict:
     """The methods as torch.export programs (what the stock lowering takes)."""
     with torch.no_grad():
         return {n: torch.export.export(mod, args, strict=False) for n, (mod, args) in methods.items()}
-
-
-def _lower(fast: bool, calls: list | None = None, passes: list | None = None,
-           delegate_runs: list | None = None) -> bytes:
-    """The `_Mixed` module's two methods exported, lowered and emitted, with every speed-up or
-    none; `calls` (if given) gets one entry per trace of the module's graph during export and
-    decomposition (`torch.export`, `run_decompositions`, `export_decomposed`), `passes` (if
-    given) the class name of every graph pass run (outermost calls only), `delegate_runs` (if
-    given) one entry per run of a delegate's original program.
-
-    Debug handles are numbered one per node in both: the stock flow gives every node the handle
-    of its ancestor in the training IR (a node `run_decompositions` made from an op shares that
-    op's handle), and the one-trace export has no training IR; the handles are debugging
-    metadata (ETDump), not the program."""
-    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
-
-    from shram_static.export import lowering
-    from shram_static.export.partition import xnnpack_partitioner
-
-    methods = _methods()
-    config = EdgeCompileConfig(_check_ir_validity=False)
-    with contextlib.ExitStack() as stack:
-        handles = importlib.import_module("executorch.exir.passes.debug_handle_generator_pass")
-        stack.enter_context(unittest.mock.patch.object(handles, "get_greatest_ancestor_node_identifier",
-                                                       lambda node: f"{node.name}.{id(node.graph)}"))
-        if delegate_runs is not None:  # patched first: the speed-up keeps the stock function
-            hop = importlib.import_module("torch._higher_order_ops.executorch_call_delegate")
-            run_delegate = hop.call_delegate_cpu
-            stack.enter_context(unittest.mock.patch.object(
-                hop, "call_delegate_cpu", lambda *a: delegate_runs.append(1) or run_delegate(*a)))
-        if fast:
-            stack.enter_context(lowering.lowering_speedups())
-        if calls is not None:
-            decompose, export = torch.export.ExportedProgram.run_decompositions, torch.export.export
-            stack.enter_context(unittest.mock.patch.object(
-                torch.export.ExportedProgram, "run_decompositions",
-                # Only this module's programs (XNNPACK's pattern passes decompose their own).
-                lambda self, *a, **k: (calls.append(1) if "cache" in self.graph_signature.buffers else None)
-                or decompose(self, *a, **k)))
-            stack.enter_context(unittest.mock.patch.object(
-                torch.export, "export",
-                lambda mod, *a, **k: (calls.append(1) if isinstance(mod, _Mixed) else None) or export(mod, *a, **k)))
-            one = lowering.export_decomposed
-            stack.enter_context(unittest.mock.patch.object(
-                lowering, "export_decomposed", lambda *a, **k: calls.append(1) or one(*a, **k)))
-        if passes is not None:
-            from torch.fx.passes.infra.pass_base import PassBase
-            run, depth = PassBase.__call__, []
-
-            def outermost(self, gm):
-                if not depth:
-                    passes.append(type(self).__name__)
-                depth.append(1)
-                try:
-                    return run(self, gm)
-                finally:
-                    depth.pop()
-
-            stack.enter_context(unittest.mock.patch.object(PassBase, "__call__", outermost))
-        if fast:
-            edge = lowering.export_and_lower(methods, xnnpack_partitioner(), {"k": 1}, config)
-        else:
-            edge = to_edge_transform_and_lower(_exported(methods), partitioner=[xnnpack_partitioner()],
-                                               compile_config=config, constant_methods={"k": 1})
-        return edge.to_executorch(ExecutorchBackendConfig(run_reinplace_pass=True)).buffer
-
-
-@pytest.mark.heavy
-@needs(*LOWERING)
-def test_lowering_speedups_give_the_stock_program(caplog):
-    """One trace per method for export and decomposition, gated edge and XNNPACK passes, one
-    trace for the per-op edge conversions, delegate outputs from metadata and linear-time
-    partitioning write the same bytes as `torch.export` and ExecuTorch's stock
-    `to_edge_transform_and_lower` (debug handles aside: see `_lower`); the stock flow traces
-    each method four times (export, then three decompositions), the fast one once, runs the four per-op
-    conversion passes as four traces per method, the fast one as one, and runs each delegate's
-    original program when re-tracing, the fast one never. XNNPACK's notice against the
-    two-step flow (whose support filter the fast path applies itself) is not shown."""
-    from executorch.exir.program import _program
-
-    from shram_static.export.edge_conversion import _PER_OP_EDGE_PASSES
-
-    hop = importlib.import_module("torch._higher_order_ops.executorch_call_delegate")
-    stock_calls, fast_calls, stock_passes, fast_passes, stock_runs, fast_runs = [], [], [], [], [], []
-    stock = _lower(False, stock_calls, stock_passes, stock_runs)
-    caplog.set_level("WARNING")
-    generate, run = _program._generate_edge_program, hop.call_delegate_cpu
-    fast = _lower(True, fast_calls, fast_passes, fast_runs)
-    assert (_program._generate_edge_program, hop.call_delegate_cpu) == (generate, run)  # restored
-    assert (len(stock_calls), len(fast_calls)) == (8, 2)
-    # to_executorch's re-trace ran every delegate's program (fake tensors); the fast one none.
-    assert len(stock_runs) > 0 and len(fast_runs) == 0
-    assert [stock_passes.count(p) for p in _PER_OP_EDGE_PASSES] == [2, 2, 2, 2]
-    assert [fast_passes.count(p) for p in _PER_OP_EDGE_PASSES] == [0, 0, 0, 0]
-    assert fast_passes.count("FusedEdgeConversionPass") == 2
-    # torch's view-to-copy re-trace: in place on the fast path (the module's graph has views)
-    assert (stock_passes.count("ReplaceViewOpsWithViewCopyOpsPass"), fast_passes.count("ViewOpsToCopiesInPlace"),
-            fast_passes.count("ReplaceViewOpsWithViewCopyOpsPass")) == (2, 2, 0)
-    assert fast == stock
-    assert not [r for r in caplog.records if "DEPRECATION WARNING" in r.getMessage()]
 
 
 class _Views(torch.nn.Module):
@@ -530,7 +430,7 @@ def test_lowering_falls_back_when_a_kept_op_is_rejected(monkeypatch):
     the methods exported by `torch.export`, the caller's partitioner, config (not the extended
     one) and constant methods (it decomposes that op; what it writes is ExecuTorch's, so it is
     not lowered here). Without a rejection the stock call is not made:
-    `test_lowering_speedups_give_the_stock_program`."""
+    `test_accelerators.test_stock_lowering_writes_the_same_program_and_tokens`."""
     import executorch.exir
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig

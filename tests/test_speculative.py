@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
-from helpers import DATA, golden_case, random_ids, random_model
+from helpers import DATA, golden_case, random_ids, random_model, tiny_model
 from shram_static import StaticDecoder
 from shram_static.cli import main
 from shram_static.speculative import PromptLookup, _accept
@@ -120,3 +120,20 @@ def test_cli_speculate_and_draft_print_the_greedy_text(capsys):
     for extra in (["--speculate", "3"], ["--draft", path]):
         assert main(base + extra) == 0
         assert capsys.readouterr().out == want
+
+
+def test_bench_speculative_command_reports_both_prompts(capsys, tmp_path):
+    """`shram-static bench-speculative` on a checkpoint, eager: the step costs and, per prompt,
+    speculative against plain tokens/s (it raises if the speculative tokens differ)."""
+    path = str(tmp_path / "ckpt")  # one layer, room for the 516-token grounded prompt
+    tiny_model(num_decoder_layers=1, inference_sequence_length=640).save_pretrained(path)
+    assert main(["bench-speculative", "--model", path, "--backend", "eager", "--max-new-tokens", "24",
+                 "--context", "8", "--steps", "3", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "verify / decode = " in out
+    for name in ("grounded", "free"):
+        line = next(ln for ln in out.splitlines() if ln.startswith(name))
+        assert "24 new" in line and "after the first token" in line and "tokens per step" in line
+    with pytest.raises(SystemExit) as e:
+        main(["bench-speculative", "--model", path, "--speculate", "0"])
+    assert e.value.code == 2 and "expected a positive integer, got 0" in capsys.readouterr().err

@@ -48,14 +48,21 @@ SPLITS = {  # (prefill chunk, prefill call lengths); the rest is decoded token b
 }
 
 
+# How a step of C > 1 tokens attends (`step.step`'s per_token_max): per expert (prefill) or per
+# token (the verify step; here by making it at least the chunk). Both must give the same logits.
+PATHS = {"per_expert": lambda chunk: None, "per_token": lambda chunk: max(chunk, 2)}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("case", GOLDEN_CASES)
 @pytest.mark.parametrize("split", list(SPLITS))
-def test_golden_chunking_invariance(case, split):
+def test_golden_chunking_invariance(case, split, path):
     model, g = golden_case(case)
     ids, mask = g["input_ids"], g["attention_mask"]
     chunk, calls = SPLITS[split]
     calls = (ids.shape[1],) if calls is None else calls
-    dec = StaticDecoder(model, batch_size=ids.shape[0], prefill_chunk=chunk)
+    dec = StaticDecoder(model, batch_size=ids.shape[0], prefill_chunk=chunk, verify_len=PATHS[path](chunk))
+    assert dec.module.per_token_max == (1 if path == "per_expert" else max(chunk, 2))
     logits, routing = run_split(dec, ids, mask, calls)
     assert_matches(logits, routing, g["logits_full"], g["selected_heads"], mask)
 
@@ -83,8 +90,9 @@ def random_batch(cfg, B, N, seed, pad_left=(), holes=()):
     return ids, mask
 
 
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("seed", range(6))
-def test_random_chunking_invariance(seed):
+def test_random_chunking_invariance(seed, path):
     """Random configs; rows with different left padding and dead tokens mid-row; a sequence
     long enough to wrap the local ring several times; prefill calls starting mid-block."""
     gen = torch.Generator().manual_seed(seed)
@@ -96,7 +104,7 @@ def test_random_chunking_invariance(seed):
     model = randomize_(ShramForCausalLM(cfg), seed)
     ids, mask = random_batch(cfg, 3, N, seed, pad_left=(0, 3, 7), holes=((0, 4), (2, N - 3)))
     ref = model(ids, mask, output_routing=True)
-    dec = StaticDecoder(model, batch_size=3, prefill_chunk=chunk)
+    dec = StaticDecoder(model, batch_size=3, prefill_chunk=chunk, verify_len=PATHS[path](chunk))
     W = cfg.block_length
     logits, routing = run_split(dec, ids, mask, (W + 1, chunk * 2 + 1, 1))
     assert_matches(logits, routing, ref.logits, ref.selected_heads, mask)

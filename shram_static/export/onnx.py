@@ -125,7 +125,8 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
     state = StaticState(cfg, batch_size, C, dtype=dtype, rollback_limit=verify_len)
-    fn = FunctionalStep(model, state).eval()
+    # A verify step's few tokens attend per token, as decode does (`step.step`, per_token_max).
+    fn = FunctionalStep(model, state, per_token_max=verify_len or 1).eval()
     paths = graph_paths(path, verify=True)
     os.makedirs(os.path.dirname(os.path.abspath(paths["decode"])), exist_ok=True)
     export_id = uuid.uuid4().hex  # ties the files of one export together

@@ -172,7 +172,8 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     B, C = batch_size, 1 if prefill_chunk is None else prefill_chunk
     # The rollback limit (what HostDecoder.rollback allows) covers a verify step's guesses.
     state = StaticState(cfg, B, C, dtype=dtype, rollback_limit=verify_len)
-    step = StepModule(model, state).eval()
+    # A verify step's few tokens attend per token, as decode does (`step.step`, per_token_max).
+    step = StepModule(model, state, per_token_max=verify_len or 1).eval()
     i64 = dict(dtype=torch.long)
     decode_name = "forward" if B == 1 else "decode"
     if B == 1:
