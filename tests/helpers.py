@@ -218,6 +218,12 @@ def lowering_work(ours_module, ours_program):
         yield work
 
 
+# The golden case whose decode-only `.pte` test_accelerators.py lowers with and without the
+# lowering accelerators (and checks against the golden logits), and those accelerators.
+STOCK_LOWERING_CASE = "main_basic"
+LOWERING_ACCELERATORS = ("one_trace_lowering", "needed_xnnpack_passes", "needed_edge_passes",
+                         "one_edge_conversion_trace", "delegate_outputs_from_metadata", "linear_partitioning",
+                         "shared_provenance", "lazy_recompiles", "cached_type_hints", "mutable_buffers_listed_once")
 VERIFY_CASE = "left_padded"  # the golden case (3 rows) whose decode-only exports also carry a verify step
 
 

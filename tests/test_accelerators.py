@@ -11,7 +11,7 @@ import unittest.mock
 import pytest
 import torch
 
-from helpers import golden_case, golden_run, lowering_work
+from helpers import LOWERING_ACCELERATORS, STOCK_LOWERING_CASE, golden_case, golden_run, lowering_work
 from shram_static import accelerators
 from shram_static.accelerators import (REGISTRY, STOCK_ENV, UnsupportedVersionError, check_versions, enabled,
                                        set_stock, stock)
@@ -101,7 +101,8 @@ def test_stock_lowering_writes_the_same_program_and_tokens(tmp_path, caplog):
     """A golden model's decode-only `.pte`, lowered with every accelerator this stack verifies
     and with none (`stock()`): the same bytes (debug handles aside: the one-trace export has no
     training IR to number them from; they are ETDump metadata, not the program), and the stock
-    program gives the golden logits and tokens. The accelerated lowering does less work for
+    program gives the golden logits and tokens (for this case, test_export_pte.py's golden check
+    of a decode-only program). The accelerated lowering does less work for
     it: one trace for export and decomposition (stock: four), one trace for the per-op edge
     conversions (stock: four passes), views to copies in place (stock: a re-trace), and no run
     of a delegate's original program when re-tracing (stock: every one). XNNPACK's notice
@@ -113,12 +114,9 @@ def test_stock_lowering_writes_the_same_program_and_tokens(tmp_path, caplog):
     from shram_static.export.pte import lower_program
     from shram_static.step import StepModule
 
-    lowering = ["one_trace_lowering", "needed_xnnpack_passes", "needed_edge_passes", "one_edge_conversion_trace",
-                "delegate_outputs_from_metadata", "linear_partitioning", "shared_provenance", "lazy_recompiles",
-                "cached_type_hints", "mutable_buffers_listed_once"]
-    if not all(enabled(n) for n in lowering):
+    if not all(enabled(n) for n in LOWERING_ACCELERATORS):
         pytest.skip("a lowering accelerator is off here: nothing to compare with the stock lowering")
-    model, g = golden_case("main_basic")
+    model, g = golden_case(STOCK_LOWERING_CASE)
     B = g["input_ids"].shape[0]
     handles = importlib.import_module("executorch.exir.passes.debug_handle_generator_pass")
     ours_module = lambda mod: isinstance(getattr(mod, "step", None), StepModule)
@@ -144,8 +142,14 @@ def test_stock_lowering_writes_the_same_program_and_tokens(tmp_path, caplog):
             fp.count("ReplaceViewOpsWithViewCopyOpsPass")) == (1, 1, 0)
     path = tmp_path / "stock.pte"
     path.write_bytes(slow)
-    err, tokens = golden_run(load_pte(str(path)), g)
+    dec = load_pte(str(path))
+    # what test_export_pte.py checks of the other golden cases' decode-only programs
+    assert dec.batch_size == B and dec.prefill_chunk == 1 and "prefill" not in dec.method_names
+    assert dec.meta["decode_method"] == ("forward" if B == 1 else "decode")
+    err, tokens = golden_run(dec, g)
     assert err <= 1e-3 and torch.equal(tokens, g["greedy_tokens"])
+    get = lambda m: dec._program.load_method(m).execute([])  # noqa: E731
+    assert get("get_eos_ids") == [] and get("get_bos_id") == [-1] and get("get_max_batch_size") == [B]
 
 
 def test_stock_switch_reaches_the_decoder(fresh):
