@@ -46,8 +46,7 @@ def block_select(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken
     W = L // k
     ar = torch.arange(L, device=z.device)
     nb = (W + C - 2) // W + 1  # blocks a chunk of C tokens can touch
-    # (B, C) live tokens before each (live) token in the chunk
-    rank = exclusive_cumsum(live, small=True) if small else live.long().cumsum(1) - 1
+    rank = exclusive_cumsum(live, small)  # (B, C) live tokens before each (live) token in the chunk
     mm = small_bmm if small else torch.bmm
     off = (start % W)[:, None]  # (B, 1)
     g = off + rank  # frame index, block 0 starting at the carried block's first slot
