@@ -4,7 +4,8 @@ Each swap is a source transformation on a copy of the model (as in ExecuTorch's 
 the model a caller hands in is never changed.
 
 * `row_linear_` (the compiled decode step on CPU, up to FEW_ROWS rows): every bias-free
-  `nn.Linear` becomes a `RowLinear` over the same weight, on a `shared_copy`.
+  `nn.Linear` becomes a `RowLinear` over the same weight, and every `Router` computes its logits
+  and top-k in forms Inductor fuses (`Router.fused`), on a `shared_copy`.
 * `fuse_experts_` (the exported steps, and quantization): every `BEA` becomes a `FusedExperts`,
   every expert as one linear layer each way, on a copy that owns its weights.
 """
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import MoSRAH
+from .layers import MoSRAH, Router
 
 FEW_ROWS = 8  # compiled decode batches up to this size run their projections as RowLinear
 
@@ -61,7 +62,11 @@ class RowLinear(nn.Module):
 
 def row_linear_(model: nn.Module) -> nn.Module:
     """Replaces every bias-free nn.Linear of `model` (and a tied lm_head) by a `RowLinear` over
-    the same weight, in place; returns `model`. Use on a `shared_copy`."""
+    the same weight, and marks every `Router` `fused` (its logits as row reductions too, its
+    top-k as ranks), in place; returns `model`. Use on a `shared_copy`."""
+    for m in model.modules():
+        if isinstance(m, Router):
+            m.fused = True  # an instance attribute of the copy's router: the model's stays False
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.bias is None:

@@ -85,6 +85,14 @@ class LocalAttention(nn.Module):
 
 
 class Router(nn.Module):
+    """The MoSRAH router's weight (L, d); `routing.route` computes with it.
+
+    `fused` (False): set on the compiled decode step's copy by `fast_layers.row_linear_`, where
+    `route` then computes the logits and the top-k in forms Inductor fuses (`routing.route`).
+    """
+
+    fused = False
+
     def __init__(self, config: ShramConfig):
         super().__init__()
         self.routing_weight = nn.Parameter(torch.empty(config.num_mosrah_heads, config.embedding_width))

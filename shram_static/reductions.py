@@ -48,9 +48,18 @@ def exclusive_cumsum(x: torch.Tensor, small: bool = False) -> torch.Tensor:
             reduction under Inductor (its CPU cumsum is an extern call per use).
     """
     x = x.long()
-    if not small:
-        return x.cumsum(1) - x
+    return _triangular_sum(x, strict=True) if small else x.cumsum(1) - x
+
+
+def inclusive_cumsum(x: torch.Tensor, small: bool = False) -> torch.Tensor:
+    """`x.cumsum(1)` in int64 (the entry itself counted); `small` as in `exclusive_cumsum`."""
+    x = x.long()
+    return _triangular_sum(x, strict=False) if small else x.cumsum(1)
+
+
+def _triangular_sum(x: torch.Tensor, strict: bool) -> torch.Tensor:
     C = x.shape[1]
     ar = torch.arange(C, device=x.device)
-    tri = (ar[:, None] > ar[None, :]).view(1, C, C, *([1] * (x.dim() - 2)))  # (1, C, C', ...) c' < c
+    tri = ar[:, None] > ar[None, :] if strict else ar[:, None] >= ar[None, :]
+    tri = tri.view(1, C, C, *([1] * (x.dim() - 2)))  # (1, C, C', ...) c' before (or at) c
     return (x[:, None] * tri).sum(2)

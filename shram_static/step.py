@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .attention import attention_bias, masked_attention, slot_bias
-from .reductions import exclusive_cumsum
+from .reductions import exclusive_cumsum, inclusive_cumsum
 from .rope import apply_rope
 from .routing import route
 from .state import StaticState
@@ -105,7 +105,9 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
     ar_b = torch.arange(B, device=dev)
 
     # Positions and local-ring bookkeeping, shared by all layers.
-    rank = live.long().cumsum(1) - 1  # (B, C)
+    # (B, C); one token: no cumsum (a static shape; an extern call under Inductor, a portable
+    # kernel in the .pte)
+    rank = (live.long() if C == 1 else inclusive_cumsum(live, dims.few)) - 1
     pos = input_pos[:, None] + rank.clamp(min=0)  # (B, C) position of each live token
     count = input_pos + live.long().sum(1)  # (B,) live tokens after this step
     cos_l, sin_l = model.rope.local(pos)  # (B, C, u)
@@ -202,7 +204,7 @@ def _layer_step(layer, rope, x: torch.Tensor, *flat):
             taken = ((prev == sh.ar_l) & sh.hist_open).view(B, (W - 1) * K, L).any(1)  # (B, L)
         else:  # one token per block: nothing is ever taken
             taken = torch.zeros(B, L, dtype=torch.bool, device=h.device)
-        idx, P = route(h, sa.router.routing_weight, live, input_pos, taken, K, few)
+        idx, P = route(h, sa.router.routing_weight, live, input_pos, taken, K, few, sa.router.fused)
         routes = _write(routes, sh.route_rows, idx.reshape(B * C, K), inplace)
         routing.append(torch.where(live[..., None], idx, -1))
         held = (sh.blocks_done + taken.long())[:, None, :]  # (B, 1, L) tokens per expert

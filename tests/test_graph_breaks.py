@@ -102,6 +102,11 @@ def test_compiled_steps_never_recompile_and_match_eager(model, B):
         tok = torch.randint(0, cfg.vocab_size, (B,), generator=gen)
         torch.testing.assert_close(comp.decode(tok), eager.decode(tok), atol=1e-4, rtol=1e-4)
     assert len(codes) == (2 if B > 1 else 1) and not [c for c in codes if "assert_size_stride(" in c]
+    # The decode step is fused C++ kernels only: its projections are row reductions (RowLinear),
+    # its router's logits and top-k fused (Router.fused), no cumsum at one token. An extern call
+    # or an aten fallback here is a call out of the layer's kernel per layer and step.
+    for call in ("extern_kernels.", "aten.topk", "aten.cumsum", "aten.mm", "aten.bmm"):
+        assert call not in codes[-1], f"the compiled decode step calls {call}"
     assert flattened.call_count == 0
     if get_compile_threads() > 1:  # one file per compile thread at most, none built twice
         assert len(batches) == len(codes)

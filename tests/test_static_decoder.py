@@ -8,6 +8,8 @@ import torch
 from helpers import GOLDEN_CASES, golden_case, random_config, randomize_
 from shram_static import CapacityError, ShramForCausalLM, StaticDecoder, state_bytes
 from shram_static.decoder import FEW_ROWS, RowLinear
+from shram_static.layers import Router
+from shram_static.routing import top_k
 
 TOL = 1e-3
 
@@ -328,6 +330,23 @@ def test_row_linear_equals_linear(dtype, tol):
     torch.testing.assert_close(RowLinear(wc)(x), torch.nn.functional.linear(x, wc), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("L, k", [(4, 2), (16, 4), (8, 1), (6, 6)])
+def test_top_k_as_ranks_is_top_k(L, k):
+    """The compiled decode step's top-k (ranks, fused by Inductor) against a sort: largest
+    first, taken (-inf) experts last, a tie to the lower index; eager and compiled."""
+    gen = torch.Generator().manual_seed(L * 10 + k)
+    z = torch.randn(5, 3, L, generator=gen)
+    z[0, :, :L // 2] = float("-inf")  # half the experts taken
+    z[1, 0] = 0.5  # all tied
+    z[2, 1, 1:3] = z[2, 1, 0]  # a tie at the top
+    want = torch.tensor([[sorted(range(L), key=lambda i: (-z[b, c, i].item(), i))[:k] for c in range(3)]
+                         for b in range(5)])
+    for f in (top_k, torch.compile(top_k, fullgraph=True, dynamic=False)):
+        got = f(z, k, True)
+        assert got.dtype == torch.long and torch.equal(got, want)
+    torch.testing.assert_close(top_k(z[3:], k), want[3:], atol=0, rtol=0)  # untied rows: = topk
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_decoders_never_alter_the_model(tied):
     """Building decoders (eager, compiled batch 1 and 2 with their RowLinear swap)
@@ -348,6 +367,10 @@ def test_decoders_never_alter_the_model(tied):
         assert len(swapped) == sum(isinstance(m, torch.nn.Linear) for m in model.modules()) + tied
         assert all(m.weight.data_ptr() in ptrs for m in swapped), "a decoder copied a weight"
         assert not any(isinstance(m, RowLinear) for m in dec.module.model.modules())
+        routers = [m for m in dec.decode_module.model.modules() if isinstance(m, Router)]
+        assert len(routers) == model.config.num_decoder_layers and all(r.fused for r in routers)
+        assert not any(m.fused for m in dec.module.model.modules() if isinstance(m, Router))
+    assert not any(m.fused for m in model.modules() if isinstance(m, Router))
     # two eager decoders on one model, interleaved, each equal to the uncached forward
     model.eval()
     ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
