@@ -4,7 +4,9 @@ Compiles `StaticDecoder(compile=True)` at each batch size, fills the state to `-
 runs `--steps` decode steps (or, with `--verify K`, verify steps of K + 1 tokens, each rolled
 back) under torch.profiler with Inductor's per-kernel profiling on
 (`cpp.enable_kernel_profile`, which names each generated C++ kernel in the trace), and prints
-the entries that take the most self CPU time per step.
+the entries that take the most self CPU time per step; for the decode step also the step's and
+its C++ kernels' time against the floor (the bytes a step reads over the memory bandwidth
+measured right after).
 
     python benchmarks/compiled_profile.py [--model bench|builtin|DIR] [--batch-sizes 1 4] [--verify K]
 """
@@ -47,6 +49,12 @@ def profile(model, batch_size: int, context: int, steps: int, top: int, verify: 
     rows = sorted(((e.self_cpu_time_total / steps / 1e3, e.count // steps, e.key) for e in prof.key_averages()),
                   reverse=True)
     print(f"  self CPU ms/step total {sum(r[0] for r in rows):.2f}")
+    if not verify:  # the decode step against its floor, the bandwidth read right after it
+        from shram_static.readings import decode_read_bytes, measure_bandwidth
+        floor = 1e3 * decode_read_bytes(model, B, 32) / measure_bandwidth()
+        kernels = sum(ms for ms, _, key in rows if "cpp_fused" in key)
+        print(f"  floor {floor:.2f} ms: the step {wall / floor:.2f}x it, its C++ kernels ({kernels:.2f} ms) "
+              f"{kernels / floor:.2f}x")
     for ms, n, key in rows[:top]:
         print(f"  {ms:7.3f} ms  x{n:<4d} {key[:90]}")
 

@@ -102,7 +102,8 @@ def route(h: torch.Tensor, routing_weight: torch.Tensor, live: torch.Tensor, sta
         idx: (B, C, K) selected experts; P: (B, C, K) weights in h's dtype.
     """
     if fused:
-        z = (h.float()[..., None, :] * routing_weight.float()).sum(-1)  # (B, C, L)
+        # rounded to h's dtype as F.linear's output is, then fp32 as below
+        z = (h.float()[..., None, :] * routing_weight.float()).sum(-1).to(h.dtype).float()  # (B, C, L)
     else:
         z = F.linear(h, routing_weight).float()  # (B, C, L); linear, as XNNPACK delegates it
     if torch.is_grad_enabled() and z.requires_grad:
