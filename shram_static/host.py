@@ -26,7 +26,10 @@ def _check_finite(logits: torch.Tensor, live: torch.Tensor) -> None:
         # WHY numpy on CPU: torch's isfinite over (B, C, V) opens an OpenMP parallel region whose
         # workers then spin on the core the next step's runtime (onnxruntime, XNNPACK) needs;
         # numpy checks the same on one thread.
-        fin = torch.from_numpy(np.isfinite(logits.detach().float().numpy()).all(-1))
+        fin = np.isfinite(logits.detach().float().numpy()).all(-1)  # (B, C)
+        if fin.all():  # the common case, in one more numpy call (this runs after every step)
+            return
+        fin = torch.from_numpy(fin)
     else:
         fin = torch.isfinite(logits).all(-1).cpu()
     bad = ~fin & live.cpu()  # (B, C)
