@@ -25,4 +25,4 @@ print(" ".join(re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0] for r in m.requires("s
 "$PY" -m pip install -q -U $TEST_DEPS
 "$PY" -c "import torch, executorch, importlib.metadata as m; print('torch', torch.__version__, 'executorch', m.version('executorch'))"
 # PATH: the suite runs `shram-static` and `python` in subprocesses; they must be this venv's.
-PATH="$(cd "$VENV/bin" && pwd):$PATH" "$PY" -m pytest -q -n 2 --dist loadgroup "$@"
+PATH="$(cd "$VENV/bin" && pwd):$PATH" "$PY" -m pytest -q -n 2 --dist loadfile "$@"

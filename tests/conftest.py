@@ -14,24 +14,23 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command), keeps the tests
-    that share an expensive module fixture (an exported program, a compiled decoder) on one
-    worker, so each fixture is built once, while every other test is scheduled on its own, the
-    `heavy` ones first. Without xdist the marks are inert."""
-    for item in items:
+    """Under pytest-xdist (`-n 2 --dist loadfile`, the README's test command) each test file runs
+    on one worker, so an expensive module fixture (an exported program, a compiled decoder) is
+    built once. WHY files and not `xdist_group` marks with `--dist loadgroup`: on pytest 9.2,
+    pytest-xdist 3.8's loadgroup silently stops grouping (it tags node IDs in a field pytest no
+    longer reads; pytest-xdist issue #1386), and every worker that ran a fixture's tests built
+    it again (the suite took ~10% longer). Files are handed out in collection order, so the
+    `heavy` tests that share no module fixture go first: their files start early and the short
+    ones fill in at the end. A test that shares one keeps its place (moved apart from its
+    file's other users, it would build the fixture twice). Without xdist the order is the files'."""
+    if not hasattr(config, "workerinput"):
+        return
+
+    def shares_a_module_fixture(item) -> bool:
         defs = getattr(item, "_fixtureinfo", None)
-        if defs is None:
-            continue
-        shared = [name for name, fds in defs.name2fixturedefs.items()
-                  if name != "one_thread" and any(fd.scope == "module" for fd in fds)]
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{','.join(sorted(shared))}"))
-    if hasattr(config, "workerinput"):  # an xdist worker: its collection order is the schedule's
-        # Longest first: xdist hands out the groups (largest first) and then single tests in
-        # this order, so the `heavy` ones start early and the short ones fill in at the end,
-        # instead of one worker finishing a torchrun or an export while the other waits idle.
-        # Only tests without a shared module fixture move (a moved group member would build its
-        # fixture twice); without xdist the order is the files'.
-        items.sort(key=lambda it: not (it.get_closest_marker("heavy") and not it.get_closest_marker("xdist_group")))
+        return defs is not None and any(
+            name != "one_thread" and any(fd.scope == "module" for fd in fds)
+            for name, fds in defs.name2fixturedefs.items())
+
+    items.sort(key=lambda it: not (it.get_closest_marker("heavy") and not shares_a_module_fixture(it)))
