@@ -4,8 +4,11 @@ rollbacks across routing blocks and ring wrap-around); a rolled-back decoder con
 fresh one fed only the kept tokens; over-limit calls raise and change nothing; the compiled
 verify step never recompiles."""
 
+import unittest.mock
+
 import pytest
 import torch
+from torch._inductor.graph import GraphLowering
 
 from helpers import random_config, randomize_, run_oracle
 from shram_static import ShramForCausalLM, StaticDecoder
@@ -165,7 +168,14 @@ def test_compiled_verify_step_never_recompiles():
     p = ids(5)
     torch.testing.assert_close(comp.prefill(p), eager.prefill(p))
     v = ids(3)
-    torch.testing.assert_close(comp.verify(v), eager.verify(v), atol=1e-4, rtol=1e-4)
+    codes = []
+    with unittest.mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        torch.testing.assert_close(comp.verify(v), eager.verify(v), atol=1e-4, rtol=1e-4)
+    # fused C++ kernels only, as the decode step (tests/test_graph_breaks.py): the block solver's
+    # products and prefix sums, the router's logits and top-k, the few-row projections
+    assert len(codes) == 1
+    for call in ("extern_kernels.", "aten.topk", "aten.cumsum", "aten.mm", "aten.bmm"):
+        assert call not in codes[0], f"the compiled verify step calls {call}"
     with torch.compiler.set_stance("fail_on_recompile"):
         for i in range(12):
             v, live = ids(2 + i % 2), torch.rand(2, 2 + i % 2, generator=gen) > 0.2
