@@ -3,7 +3,8 @@
 For one model and backend at batch 1 it reports, measured in one process and interleaved
 (plain, speculative, plain, ... so the ratios compare runs seconds apart on a shared machine):
 - the cost of one verify step of `--speculate` + 1 tokens against one decode step (median of
-  alternating calls at the same context);
+  alternating calls at the same context), and of a decode step run after another (as plain
+  decoding runs them: taking turns with the verify step costs a decode step time);
 - per prompt, greedy tokens/s of plain decoding and of speculative decoding with prompt lookup
   (same tokens, checked), their ratio, guesses kept per verify step, and the k chosen.
 Prompts: "grounded", a passage followed by its opening again (what quoting, editing and
@@ -45,14 +46,17 @@ def _decoder(model, backend: str, k: int, stack):
     return load_onnx(export_onnx(model, os.path.join(tmp, "m.onnx"), verify_len=k + 1)["decode"])
 
 
-def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> tuple[float, float]:
-    """Median seconds of a decode step and of a verify step of k + 1 tokens at context ctx
-    (each verify rolled back, so both run at the same positions), by `clock`."""
+def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> tuple[float, float, float]:
+    """Median seconds of a decode step and of a verify step of k + 1 tokens at context ctx,
+    alternating (each rolled back, so both run at the same positions), by `clock`; and of a
+    decode step run after another decode step (what plain decoding runs). The two decode
+    medians differ by what taking turns with the verify step costs (the steps' code and
+    buffers evicting each other from the caches)."""
     V = dec.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     dec.reset()
     dec.prefill(torch.randint(0, V, (1, ctx), generator=gen), last_only=True)
-    td, tv = [], []
+    td, tv, ta = [], [], []
     for _ in range(steps):
         ids = torch.randint(0, V, (1, k + 1), generator=gen)
         t0 = clock()
@@ -65,7 +69,12 @@ def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> tu
         dec.rollback(k + 1)
         td.append(t1 - t0)
         tv.append(t3 - t2)
-    return statistics.median(td), statistics.median(tv)
+    for _ in range(steps):
+        t0 = clock()
+        dec.decode(ids[:, 0])
+        ta.append(clock() - t0)
+        dec.rollback(1)
+    return statistics.median(td), statistics.median(tv), statistics.median(ta)
 
 
 class _FirstToken:
@@ -138,9 +147,10 @@ def bench_speculative(args) -> int:
         dec.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
         dec.generate(torch.tensor([[1, 2, 3, 1, 2]]), max_new_tokens=4, speculate=k)
         step_costs(dec, k, min(64, args.context), 3)
-        td, tv = step_costs(dec, k, args.context, args.steps, clock)
+        td, tv, ta = step_costs(dec, k, args.context, args.steps, clock)
         print(f"{args.model} {args.backend}: decode step {td * 1e3:.2f} ms, verify step of {k + 1} tokens "
-              f"{tv * 1e3:.2f} ms: verify / decode = {tv / td:.2f} (context {args.context})")
+              f"{tv * 1e3:.2f} ms: verify / decode = {tv / td:.2f} (context {args.context}); "
+              f"a decode step after a decode step {ta * 1e3:.2f} ms")
         if args.model == "bench" and not args.prompts:
             return 0
         tok = ByteTokenizer()

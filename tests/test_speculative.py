@@ -130,7 +130,7 @@ def test_bench_speculative_command_reports_both_prompts(capsys, tmp_path):
     assert main(["bench-speculative", "--model", path, "--backend", "eager", "--max-new-tokens", "24",
                  "--context", "8", "--steps", "3", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
-    assert "verify / decode = " in out
+    assert "verify / decode = " in out and "a decode step after a decode step " in out
     for name in ("grounded", "free"):
         line = next(ln for ln in out.splitlines() if ln.startswith(name))
         assert "24 new" in line and "after the first token" in line and "tokens per step" in line
