@@ -52,8 +52,12 @@ def exclusive_cumsum(x: torch.Tensor, small: bool = False) -> torch.Tensor:
 
 
 def inclusive_cumsum(x: torch.Tensor, small: bool = False) -> torch.Tensor:
-    """`x.cumsum(1)` in int64 (the entry itself counted); `small` as in `exclusive_cumsum`."""
+    """`x.cumsum(1)` in int64 (the entry itself counted); `small` as in `exclusive_cumsum`.
+    One entry per row (a decode step) is its own sum: no op at all (a static shape; a cumsum
+    would be an extern call under Inductor and a portable kernel in the .pte)."""
     x = x.long()
+    if x.shape[1] == 1:
+        return x
     return _triangular_sum(x, strict=False) if small else x.cumsum(1)
 
 

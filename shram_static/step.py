@@ -105,9 +105,7 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
     ar_b = torch.arange(B, device=dev)
 
     # Positions and local-ring bookkeeping, shared by all layers.
-    # (B, C); one token: no cumsum (a static shape; an extern call under Inductor, a portable
-    # kernel in the .pte)
-    rank = (live.long() if C == 1 else inclusive_cumsum(live, dims.few)) - 1
+    rank = inclusive_cumsum(live, dims.few) - 1  # (B, C)
     pos = input_pos[:, None] + rank.clamp(min=0)  # (B, C) position of each live token
     count = input_pos + live.long().sum(1)  # (B,) live tokens after this step
     cos_l, sin_l = model.rope.local(pos)  # (B, C, u)
