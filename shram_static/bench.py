@@ -6,6 +6,8 @@ contexts (64 up to near capacity), prefill tokens/s, export or compile warm-up t
 size and peak RSS, and each decode time as a ratio to compiled torch and to the machine's floor:
 the bytes a decode step must read divided by the memory read bandwidth measured in the same run
 (a shared machine's bandwidth reading swings by 2x between runs, so only same-run ratios compare).
+A quantized backend's floor counts its weights as stored (`readings.decode_read_bytes`), and its
+speed is also given against the float program of the same format (`pte-int8` against `pte`).
 
 Every backend runs in a subprocess of its own, so its peak RSS and compile caches are its own;
 an exported backend is exported in one subprocess and run from the file in another, so its peak
@@ -118,7 +120,7 @@ class Runner:
         self.dec, self.steps = dec, steps
         self.info = dict(model=model_name, backend=backend, batch=B, chunk=prefill_chunk,
                          warmup_s=round(time.perf_counter() - t, 2),
-                         read_bytes=decode_read_bytes(model, B, prefill_chunk),
+                         read_bytes=decode_read_bytes(model, B, prefill_chunk, EXPORTED.get(backend, (None, None))[1]),
                          state_bytes=state_bytes(cfg, B, prefill_chunk), contexts=contexts(S, steps))
 
     def measure(self, ctx: int) -> dict:
@@ -288,20 +290,29 @@ def measure_interleaved(workers: list, rounds: int, bandwidth=None, progress=Non
 
 
 def add_ratios(results: list[dict], bandwidth: float) -> None:
-    """Adds the floor and, per context point, `x_floor` = decode time / floor (1 is the ideal)
-    and `x_compiled` = decode speed / compiled torch's at the same model, batch size and context
-    (above 1: faster than compiled torch; None without a compiled result); `x_compiled_best`,
-    the same from both backends' best rounds (`measure_interleaved`)."""
-    compiled = {(r["model"], r["batch"]): r for r in results if r["backend"] == "compiled"}
+    """Adds the floor (`read_bytes` over `bandwidth`: a quantized backend's own, its weights as
+    stored) and, per context point, `x_floor` = decode time / floor (1 is the ideal),
+    `x_compiled` = decode speed / compiled torch's at the same model, batch size and context
+    (above 1: faster than compiled torch; None without a compiled result) and `x_compiled_best`,
+    the same from both backends' best rounds (`measure_interleaved`). A quantized backend's
+    points also get `x_float`: its speed / the float program's of the same format (`pte-int8`
+    against `pte`), None without one."""
+    by_backend = {(r["model"], r["batch"], r["backend"]): r for r in results}
     for r in results:
         r["floor_ms"] = round(1e3 * r["read_bytes"] / bandwidth, 3)
-        ref = compiled.get((r["model"], r["batch"]))
+        ref = by_backend.get((r["model"], r["batch"], "compiled"))
         ref_pts = {p["context"]: p for p in ref["points"]} if ref else {}
+        quantized = EXPORTED.get(r["backend"], (None, None))[1] is not None
+        flt = by_backend.get((r["model"], r["batch"], r["backend"].split("-")[0])) if quantized else None
+        flt_pts = {p["context"]: p for p in flt["points"]} if flt else {}
         for p in r["points"]:
             p["x_floor"] = round(p["decode_ms"] / r["floor_ms"], 2)
             q = ref_pts.get(p["context"])
             p["x_compiled"] = round(q["decode_ms"] / p["decode_ms"], 2) if q else None
             p["x_compiled_best"] = round(q["decode_ms_best"] / p["decode_ms_best"], 2) if q else None
+            if quantized:
+                f = flt_pts.get(p["context"])
+                p["x_float"] = round(f["decode_ms"] / p["decode_ms"], 2) if f else None
 
 
 def _subprocess(args: list[str]) -> dict:
@@ -390,11 +401,14 @@ def format_row(r: dict) -> str:
         best = p.get("x_compiled_best")
         return f", {p['x_compiled']:.2f}x compiled's speed" + (f" (best rounds {best:.2f}x)" if best is not None else "")
 
+    def float_ratio(p):
+        return f", {p['x_float']:.2f}x the float program's speed" if p.get("x_float") is not None else ""
+
     built = (f"export {r['export_s']:.0f} s, file {r['file_mib']:.1f} MiB" if "export_s" in r
              else f"warm-up {r['warmup_s']:.1f} s")
     return (f"{r['model']:>7} {r['backend']:>8} B={r['batch']}: decode {a['decode_ms']:.2f} ms "
-            f"@ctx{a['context']} ({a['x_floor']:.2f}x floor{ratio(a)}), {z['decode_ms']:.2f} ms "
-            f"@ctx{z['context']} ({z['x_floor']:.2f}x floor{ratio(z)}) | floor {r['floor_ms']:.2f} ms "
+            f"@ctx{a['context']} ({a['x_floor']:.2f}x floor{ratio(a)}{float_ratio(a)}), {z['decode_ms']:.2f} ms "
+            f"@ctx{z['context']} ({z['x_floor']:.2f}x floor{ratio(z)}{float_ratio(z)}) | floor {r['floor_ms']:.2f} ms "
             f"({r['read_bytes'] / 1e6:.1f} MB) | prefill {a['prefill_tok_s']:.0f} tok/s @{a['context']}, "
             f"{z['prefill_tok_s']:.0f} @{z['context']} | {built} | state {r['state_bytes'] / 2**20:.1f} MiB "
             f"| peak RSS {r['peak_rss_mib']:.0f} MiB")

@@ -5,6 +5,9 @@ import resource
 import time
 
 import torch
+from torch import nn
+
+from .layers import BEA
 
 
 def measure_bandwidth(x: torch.Tensor | None = None, reps: int = 5) -> float:
@@ -20,21 +23,50 @@ def measure_bandwidth(x: torch.Tensor | None = None, reps: int = 5) -> float:
     return x.numel() * x.element_size() / best
 
 
-def decode_read_bytes(model, batch_size: int, prefill_chunk: int) -> int:
-    """Bytes one fp32 decode step must read: every weight but the embedding table (one row per
-    row of the batch), the K selected experts' weights only, plus the cache rows attended."""
+def decode_read_bytes(model, batch_size: int, prefill_chunk: int, quantize: str | None = None) -> int:
+    """Bytes one decode step must read: every weight but the embedding table (one row per row
+    of the batch), the K selected experts' weights only, plus the cache rows attended.
+
+    Args:
+        model: the float `ShramForCausalLM` the step was built or exported from.
+        batch_size, prefill_chunk: the step's B and C (the local ring holds window + C - 1 slots).
+        quantize: None (float weights), or the export's weight quantization ("int8", "8da4w"):
+            the floor of a quantized step counts each linear weight (every projection, the
+            experts, the lm_head) as stored (`export/quantize.py`): 1 byte per weight and one
+            scale per output channel (int8), or half a byte per weight and one scale per 32
+            inputs (8da4w's int4 layers: input width a multiple of 32, experts excluded).
+            Norms, gates, the router and the state stay in the model's dtype.
+    """
     cfg = model.config
     es = next(model.parameters()).element_size()
-    n = sum(p.numel() for name, p in model.named_parameters() if name != "embed_tokens.weight")
-    if model.lm_head is None:
-        n += model.embed_tokens.weight.numel()  # tied: the lm_head reads the whole table
-    bea = sum(p.numel() for name, p in model.named_parameters() if ".bea." in name)
-    n -= bea - bea * cfg.num_selected_heads // cfg.num_mosrah_heads  # K of L experts
-    n += batch_size * cfg.embedding_width
+    L, K = cfg.num_mosrah_heads, cfg.num_selected_heads
+
+    def linear(out: int, inp: int, expert: bool = False) -> float:
+        """Bytes of one (out, inp) linear weight as the step stores it."""
+        if quantize is None:
+            return out * inp * es
+        if quantize == "8da4w" and inp % 32 == 0 and not expert:
+            return out * inp / 2 + out * (inp // 32) * es
+        return out * inp + out * es  # int8, one scale per output channel
+
+    n = 0.0  # bytes
+    linears = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            n += linear(*m.weight.shape)
+        elif isinstance(m, BEA):  # K of L experts: q, k, v (d -> u) and o (u -> d) each
+            d, u = m.q_proj.shape[1], m.q_proj.shape[2]
+            n += K * (3 * linear(u, d, expert=True) + linear(d, u, expert=True))
+    for name, p in model.named_parameters():  # norms, gates, the router: in the model's dtype
+        if name != "embed_tokens.weight" and id(p) not in linears and ".bea." not in name:
+            n += p.numel() * es
+    if model.lm_head is None:  # tied: the lm_head reads the whole table
+        n += linear(*model.embed_tokens.weight.shape)
+    n += batch_size * cfg.embedding_width * es  # the embedding rows
     ring = cfg.window_size + prefill_chunk - 1
     cache = 2 * batch_size * cfg.head_dim * (cfg.num_sliding_window_heads * ring
                                              + cfg.num_selected_heads * (cfg.mosrah_cache_length + 1))
-    return (n + cfg.num_decoder_layers * cache) * es
+    return int(n) + cfg.num_decoder_layers * cache * es
 
 
 def peak_rss_mib() -> float:

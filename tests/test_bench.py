@@ -39,6 +39,46 @@ def test_ratios_are_against_the_same_model_batch_and_context():
     assert [p["x_compiled_best"] for p in rs[1]["points"]] == [1.0, 3.0]
 
 
+def test_a_quantized_backend_is_also_compared_with_its_float_program():
+    rs = [_result("compiled", (2.0, 4.0)), _result("pte", (3.0, 2.0)), _result("pte-int8", (1.5, 1.0)),
+          _result("pte-int8", (1.0, 1.0), batch=4)]
+    add_ratios(rs, bandwidth=1e9)
+    assert [p["x_float"] for p in rs[2]["points"]] == [2.0, 2.0]  # pte ms / int8 ms
+    assert [p["x_compiled"] for p in rs[2]["points"]] == [1.33, 4.0]
+    assert [p["x_float"] for p in rs[3]["points"]] == [None, None]  # no float .pte at B=4
+    assert all("x_float" not in p for r in rs[:2] for p in r["points"])
+    assert "2.00x the float program's speed" in bench_mod.format_row(
+        {**rs[2], "warmup_s": 1.0, "state_bytes": 1, "peak_rss_mib": 1.0,
+         "points": [{**p, "prefill_tok_s": 1.0} for p in rs[2]["points"]]})
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_quantized_floor_counts_the_linear_weights_as_stored(tied):
+    """The int8 and 8da4w floors against a count by parameter name: each linear weight the
+    step reads (projections, K of L experts, the head) at 1 byte (int8) or half a byte (int4
+    groups of 32 inputs, experts excluded) plus an fp32 scale per output channel or group."""
+    from shram_static.readings import decode_read_bytes
+
+    cfg = ShramConfig(**{**TINY_CONFIG, "tie_word_embeddings": tied})
+    model = ShramForCausalLM(cfg)
+    K, L = cfg.num_selected_heads, cfg.num_mosrah_heads
+    weights = []  # (elements read, out channels, input width, expert)
+    for name, p in model.named_parameters():
+        if name.endswith("_proj.weight") or name == "lm_head.weight":
+            weights.append((p.numel(), p.shape[0], p.shape[1], False))
+        elif ".bea." in name:  # (L, d, u) or (L, u, d): K of the L experts, u or d outputs each
+            weights.append((p.numel() * K // L, K * p.shape[2], p.shape[1], True))
+    if tied:
+        weights.append((cfg.vocab_size * cfg.embedding_width, cfg.vocab_size, cfg.embedding_width, False))
+    W = sum(n for n, *_ in weights)
+    flt = decode_read_bytes(model, 1, 8)
+    assert decode_read_bytes(model, 1, 8, "int8") == flt - 4 * W + W + 4 * sum(o for _, o, _, _ in weights)
+    four = [(n, o, i) for n, o, i, e in weights if i % 32 == 0 and not e]
+    eight = [(n, o) for n, o, i, e in weights if not (i % 32 == 0 and not e)]
+    assert decode_read_bytes(model, 1, 8, "8da4w") == int(
+        flt - 4 * W + sum(n / 2 + 4 * o * (i // 32) for n, o, i in four) + sum(n + 4 * o for n, o in eight))
+
+
 class _Fake:
     """Records every measure call in a shared log; decode times are given per call."""
 
