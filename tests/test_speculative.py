@@ -82,15 +82,17 @@ def test_acceptance_rule_keeps_the_target_distribution():
     assert _accept(logits, [(top + 1) % V], None, none, seen, False, None) == [top]
 
 
-def test_prompt_lookup_matches_a_plain_search():
+@pytest.mark.parametrize("sizes", [(3, 1), (8, 2), None])  # None: the defaults
+def test_prompt_lookup_matches_a_plain_search(sizes):
     gen = torch.Generator().manual_seed(1)
-    seq = torch.randint(0, 4, (60,), generator=gen).tolist()
-    lk = PromptLookup(max_ngram=3)
+    seq = torch.randint(0, 4, (200,), generator=gen).tolist()
+    lk = PromptLookup(*sizes) if sizes else PromptLookup()
+    mx, mn = sizes or (8, 2)
     for i, t in enumerate(seq):
         lk.extend([t])
         s = seq[:i + 1]
         want = []
-        for n in (3, 2, 1):  # latest earlier occurrence of the longest matching tail
+        for n in range(mx, mn - 1, -1):  # latest earlier occurrence of the longest matching tail
             hits = [j for j in range(len(s) - n) if s[j:j + n] == s[-n:]]
             if len(s) > n and hits:
                 want = s[hits[-1] + n:hits[-1] + n + 4]

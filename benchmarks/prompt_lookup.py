@@ -1,0 +1,131 @@
+"""How many steps speculative greedy decoding with prompt lookup takes, per lookup setting.
+
+Greedy output does not depend on the guesses, so the steps a setting needs can be counted
+without timing a model: this decodes each prompt's greedy continuation once (eager, the
+built-in model or `--model`), then replays `speculative.speculative_generate` itself (drafts,
+gate, acceptance) against a scripted decoder whose logits put the argmax on the recorded token
+at each position. It prints, per prompt and setting, the verify and decode steps and the
+speedup over plain decoding they give at a verify step of `--verify-cost` decode steps
+(measured by `shram-static bench-speculative`; docs/performance.md, "Speculative decoding").
+
+    python benchmarks/prompt_lookup.py [--model builtin|DIR] [--tokens 400] [--verify-cost 1.55]
+"""
+
+import argparse
+import math
+import sys
+from unittest import mock
+
+import torch
+
+# Beyond the two prompts of `shram-static bench-speculative`: held-out ones of both kinds.
+HAMLET = ("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
+          "The slings and arrows of outrageous fortune,\nOr to take arms against a sea of troubles\n"
+          "And by opposing end them. To die: to sleep;\nNo more; and by a sleep to say we end\n"
+          "The heart-ache and the thousand natural shocks\nThat flesh is heir to, 'tis a consummation\n")
+LEAR = ("Blow, winds, and crack your cheeks! rage! blow!\nYou cataracts and hurricanoes, spout\n"
+        "Till you have drench'd our steeples, drown'd the cocks!\nYou sulphurous and thought-executing fires,\n")
+EXTRA = {"hamlet (grounded)": HAMLET + "\n" + HAMLET[:80], "lear (grounded)": LEAR + "\n" + LEAR[:60],
+         "summary (grounded)": HAMLET + "\nIn short, Hamlet asks whether", "JULIET: (free)": "JULIET:",
+         "KING HENRY: (free)": "KING HENRY:\n", "ACT I. SCENE (free)": "ACT I. SCENE"}
+# (max_ngram, min_ngram, probe_every): the package's setting first, then alternatives
+SETTINGS = [None, (3, 1, 8), (8, 1, 8), (3, 2, 8), (3, 1, 2), (8, 2, 8), (8, 2, 4), (12, 2, 2)]
+
+
+class Scripted:
+    """A batch-1 `HostDecoder` stand-in whose logits after position t pick `seq[t + 1]`."""
+
+    def __init__(self, seq: list[int], vocab: int, verify_len: int = 5):
+        self.seq, self.V = seq, vocab
+        self.batch_size, self.verify_len, self.prefill_chunk, self.rollback_limit = 1, verify_len, 32, verify_len
+        self.n = 0  # tokens fed
+
+    def _logits(self, n_fed: int) -> torch.Tensor:
+        out = torch.zeros(n_fed, self.V)
+        for i in range(n_fed):
+            t = self.n - n_fed + i + 1  # the position each fed token's logits predict
+            out[i, self.seq[t] if t < len(self.seq) else 0] = 1.0
+        return out
+
+    def reset(self):
+        self.n = 0
+
+    def prefill(self, ids, live, last_only=False):
+        self.n += int(live.sum())
+        return self._logits(1)
+
+    def decode(self, ids, active=None):
+        self.n += 1
+        return self._logits(1)
+
+    def verify(self, ids, live):
+        k = int(live.sum())
+        self.n += k
+        return self._logits(k)[None]
+
+    def rollback(self, n):
+        self.n -= int(torch.as_tensor(n).sum())
+
+
+def steps(prompt: list[int], new: list[int], vocab: int, setting) -> dict:
+    """speculative_generate's stats replaying `new` after `prompt` with a lookup setting."""
+    from transformers import LogitsProcessorList
+
+    from shram_static import speculative
+    dec = Scripted(prompt + new, vocab)
+    ids = torch.tensor([prompt])
+    st = {}
+    patches = []
+    if setting is not None:
+        mx, mn, probe = setting
+        patches = [mock.patch.object(speculative, "PROBE_EVERY", probe),
+                   mock.patch.object(speculative.PromptLookup.__init__, "__defaults__", (mx, mn))]
+    for p in patches:
+        p.start()
+    try:
+        out = speculative.speculative_generate(dec, ids, torch.ones_like(ids, dtype=torch.bool), len(new), False,
+                                               LogitsProcessorList(), None, None, 0, None, 4, stats=st)
+    finally:
+        for p in patches:
+            p.stop()
+    assert out[0].tolist() == new, "the replay must emit the recorded greedy tokens"
+    return st
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="builtin")
+    ap.add_argument("--tokens", type=int, default=400)
+    ap.add_argument("--verify-cost", type=float, default=1.55, help="a verify step's cost in decode steps")
+    args = ap.parse_args(argv)
+    from shram_static import StaticDecoder
+    from shram_static.bench import build_model
+    from shram_static.bench_speculative import PROMPTS
+    from shram_static.speculative import LOOKUP_NGRAMS, PROBE_EVERY
+    from shram_static.tokenizer import ByteTokenizer
+
+    model = build_model(args.model).eval()
+    dec = StaticDecoder(model, batch_size=1, prefill_chunk=32)
+    tok = ByteTokenizer()
+    prompts = {f"{k} (bench-speculative)": v for k, v in PROMPTS.items()} | EXTRA
+    runs = {}
+    for name, text in prompts.items():
+        ids = torch.tensor([tok.encode(text)])
+        runs[name] = (ids[0].tolist(), dec.generate(ids, max_new_tokens=args.tokens)[0].tolist())
+        print(f"decoded {name}", file=sys.stderr)
+    current = LOOKUP_NGRAMS + (PROBE_EVERY,)
+    for setting in SETTINGS:
+        label = f"max_ngram, min_ngram, probe_every = {setting or current}" + (" (the package's)" if setting is None else "")
+        print(label)
+        logs = []
+        for name, (p, g) in runs.items():
+            st = steps(p, g, model.config.vocab_size, setting)
+            x = (len(g) - 1) / (st["decodes"] + args.verify_cost * st["rounds"])
+            logs.append(math.log(x))
+            print(f"  {name:32s} verify {st['rounds']:3d}  decode {st['decodes']:3d}  -> {x:.2f}x plain")
+        print(f"  geometric mean {math.exp(sum(logs) / len(logs)):.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
