@@ -181,14 +181,17 @@ class HostDecoder:
         t = t.long().cpu().expand(self.batch_size) if t.dim() == 0 else t.long().cpu()
         if t.shape != (self.batch_size,):
             raise ValueError(f"n must be an int or have shape ({self.batch_size},), got {tuple(t.shape)}")
-        if bool((t < 0).any()):
-            raise ValueError(f"n must be >= 0, got {t.tolist()}")
-        can = self.rollbackable
-        if bool((t > can).any()):
-            b = int(torch.nonzero(t > can)[0])
+        # The checks on Python ints: B is small, and each torch op on a (B,) tensor costs more
+        # than the loop (a rollback follows every verify step of speculative decoding).
+        want, can = t.tolist(), self.rollbackable.tolist()
+        if min(want) < 0:
+            raise ValueError(f"n must be >= 0, got {want}")
+        over = [b for b, (w, c) in enumerate(zip(want, can)) if w > c]
+        if over:
+            b = over[0]
             if not self.rollback_limit:
                 why = "this decoder cannot roll back (an export written without rollback support: re-export it)"
-            elif can[b] == self._count[b]:
+            elif can[b] == int(self._count[b]):
                 why = f"it holds {int(self._count[b])} tokens"
             else:
                 why = (f"it can forget at most {int(can[b])} now (this decoder keeps the last "
@@ -394,7 +397,7 @@ class HostDecoder:
         out = self._run(canon(tokens), canon(input_pos), canon(live))
         # A fed token can be forgotten until rollback_limit later ones have been fed (the ring
         # and the routing history keep the last rollback_limit tokens beyond what a step needs).
-        self._undo = (self._undo + live.long().sum(1)).clamp(max=self.rollback_limit)
+        self._undo.add_(live.sum(1)).clamp_(max=self.rollback_limit)  # in place: fewer ops per step
         _check_finite(out, live)
         return out
 
