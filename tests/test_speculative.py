@@ -139,3 +139,21 @@ def test_bench_speculative_command_reports_both_prompts(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["bench-speculative", "--model", path, "--speculate", "0"])
     assert e.value.code == 2 and "expected a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_prompt_lookup_replay_counts_the_steps_of_speculative_generate():
+    """`benchmarks/prompt_lookup.py` replays speculative_generate against a scripted decoder:
+    it must emit the recorded tokens, and every token after the first is a kept guess or the
+    one token each verify or decode step adds."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "prompt_lookup.py"
+    spec = importlib.util.spec_from_file_location("prompt_lookup_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8] * 3
+    new = [1, 2, 3, 4, 9, 9, 5, 6, 7, 8, 1, 2] * 4
+    for setting in (None, (3, 1, 8), (8, 2, 2)):
+        st = bench.steps(prompt, new, 16, setting)
+        assert st["accepted"] + st["rounds"] + st["decodes"] == len(new) - 1
+        assert st["rounds"] > 0 and st["accepted"] > 0  # the repeats are guessed
