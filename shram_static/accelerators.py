@@ -93,6 +93,10 @@ REGISTRY: dict[str, Accelerator] = {a.name: a for a in [
     _acc("parallel_lowering", "export.forked.run_jobs + export.edge_transfer",
          "executorch.exir.serde; LoweredBackendModule._named_data_store_output", torch=TORCH,
          executorch=EXECUTORCH),
+    # .pte runtime
+    _acc("xnnpack_weight_cache", "export.backend_options.share_packed_weights",
+         "executorch::runtime::set_option/get_option (C++ symbols of lib/libexecutorch.so, through ctypes) "
+         "and the layout of executorch::runtime::BackendOption", executorch=("1.5.1",)),
     # .onnx export
     _acc("one_trace_onnx_export", "export.decompose.onnx_decomposed",
          "torch.onnx._internal.exporter._decomp/_fx_passes.decompose_with_registry", torch=TORCH),

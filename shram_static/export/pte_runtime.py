@@ -52,6 +52,9 @@ class PteDecoder(HostDecoder):
         if len(head) < 8 or head[4:8] != PTE_MAGIC:
             raise ExportFormatError(f"{path} is not an ExecuTorch program (no {PTE_MAGIC!r} header)")
         from executorch.runtime import Runtime
+
+        from .backend_options import share_packed_weights
+        share_packed_weights()  # one packed copy of each weight for all methods (where verified)
         try:
             program = Runtime.get().load_program(path)
         except Exception as e:  # the runtime raises a bare RuntimeError on a bad flatbuffer
