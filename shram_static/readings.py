@@ -39,14 +39,15 @@ def decode_read_bytes(model, batch_size: int, prefill_chunk: int, quantize: str 
     """
     cfg = model.config
     es = next(model.parameters()).element_size()
-    L, K = cfg.num_mosrah_heads, cfg.num_selected_heads
+    K = cfg.num_selected_heads
+    group = 32  # export.quantize.GROUP (not imported: this module sits below the exporters)
 
     def linear(out: int, inp: int, expert: bool = False) -> float:
         """Bytes of one (out, inp) linear weight as the step stores it."""
         if quantize is None:
             return out * inp * es
-        if quantize == "8da4w" and inp % 32 == 0 and not expert:
-            return out * inp / 2 + out * (inp // 32) * es
+        if quantize == "8da4w" and inp % group == 0 and not expert:
+            return out * inp / 2 + out * (inp // group) * es
         return out * inp + out * es  # int8, one scale per output channel
 
     n = 0.0  # bytes

@@ -57,6 +57,7 @@ def test_a_quantized_floor_counts_the_linear_weights_as_stored(tied):
     """The int8 and 8da4w floors against a count by parameter name: each linear weight the
     step reads (projections, K of L experts, the head) at 1 byte (int8) or half a byte (int4
     groups of 32 inputs, experts excluded) plus an fp32 scale per output channel or group."""
+    from shram_static.export.quantize import GROUP
     from shram_static.readings import decode_read_bytes
 
     cfg = ShramConfig(**{**TINY_CONFIG, "tie_word_embeddings": tied})
@@ -73,10 +74,10 @@ def test_a_quantized_floor_counts_the_linear_weights_as_stored(tied):
     W = sum(n for n, *_ in weights)
     flt = decode_read_bytes(model, 1, 8)
     assert decode_read_bytes(model, 1, 8, "int8") == flt - 4 * W + W + 4 * sum(o for _, o, _, _ in weights)
-    four = [(n, o, i) for n, o, i, e in weights if i % 32 == 0 and not e]
-    eight = [(n, o) for n, o, i, e in weights if not (i % 32 == 0 and not e)]
+    four = [(n, o, i) for n, o, i, e in weights if i % GROUP == 0 and not e]  # the exporter's int4 groups
+    eight = [(n, o) for n, o, i, e in weights if not (i % GROUP == 0 and not e)]
     assert decode_read_bytes(model, 1, 8, "8da4w") == int(
-        flt - 4 * W + sum(n / 2 + 4 * o * (i // 32) for n, o, i in four) + sum(n + 4 * o for n, o in eight))
+        flt - 4 * W + sum(n / 2 + 4 * o * (i // GROUP) for n, o, i in four) + sum(n + 4 * o for n, o in eight))
 
 
 class _Fake:
