@@ -79,7 +79,7 @@ def steps(prompt: list[int], new: list[int], vocab: int, setting) -> dict:
     if setting is not None:
         mx, mn, probe = setting
         patches = [mock.patch.object(speculative, "PROBE_EVERY", probe),
-                   mock.patch.object(speculative.PromptLookup.__init__, "__defaults__", (mx, mn))]
+                   mock.patch.object(speculative, "LOOKUP_NGRAMS", (mx, mn))]
     for p in patches:
         p.start()
     try:

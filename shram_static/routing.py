@@ -102,7 +102,9 @@ def route(h: torch.Tensor, routing_weight: torch.Tensor, live: torch.Tensor, sta
         idx: (B, C, K) selected experts; P: (B, C, K) weights in h's dtype.
     """
     if fused:
-        # rounded to h's dtype as F.linear's output is, then fp32 as below
+        # rounded to h's dtype as F.linear's output is, then fp32 as below. One broadcast
+        # reduction, not RowLinear's stack of per-row reductions: for an (L, d) weight this
+        # small, one output buffer beats n row views in the wrapper (the verify step).
         z = (h.float()[..., None, :] * routing_weight.float()).sum(-1).to(h.dtype).float()  # (B, C, L)
     else:
         z = F.linear(h, routing_weight).float()  # (B, C, L); linear, as XNNPACK delegates it

@@ -46,7 +46,7 @@ class PromptLookup:
         min_ngram: the shortest n-gram matched.
     """
 
-    def __init__(self, max_ngram: int = LOOKUP_NGRAMS[0], min_ngram: int = LOOKUP_NGRAMS[1]):
+    def __init__(self, max_ngram: int, min_ngram: int):
         self.sizes = range(max_ngram, min_ngram - 1, -1)
         self.seq: list[int] = []
         self._after: dict[tuple, list[int]] = {}  # n-gram -> positions right after its occurrences
@@ -165,7 +165,7 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
     done = [False] * B
     lookups = []
     for b in range(B):
-        lk = PromptLookup()
+        lk = PromptLookup(*LOOKUP_NGRAMS)
         lk.extend(ids[b][live[b]].tolist())
         lookups.append(lk)
     pending: list[list[int]] = [[] for _ in range(B)]  # tokens the draft has not been fed yet

@@ -12,7 +12,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from helpers import DATA, golden_case, random_ids, random_model, tiny_model
 from shram_static import StaticDecoder
 from shram_static.cli import main
-from shram_static.speculative import PromptLookup, _accept
+from shram_static.speculative import LOOKUP_NGRAMS, PromptLookup, _accept
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +82,11 @@ def test_acceptance_rule_keeps_the_target_distribution():
     assert _accept(logits, [(top + 1) % V], None, none, seen, False, None) == [top]
 
 
-@pytest.mark.parametrize("sizes", [(3, 1), (8, 2), None])  # None: the defaults
+@pytest.mark.parametrize("sizes", [(3, 1), (8, 2), None])  # None: the package's LOOKUP_NGRAMS
 def test_prompt_lookup_matches_a_plain_search(sizes):
     gen = torch.Generator().manual_seed(1)
     seq = torch.randint(0, 4, (200,), generator=gen).tolist()
-    lk = PromptLookup(*sizes) if sizes else PromptLookup()
+    lk = PromptLookup(*(sizes or LOOKUP_NGRAMS))
     mx, mn = sizes or (8, 2)
     for i, t in enumerate(seq):
         lk.extend([t])
