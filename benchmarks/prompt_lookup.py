@@ -54,17 +54,13 @@ class Scripted:
         self.n += int(live.sum())
         return self._logits(1)
 
-    def decode(self, ids, active=None):
-        self.n += 1
-        return self._logits(1)
-
-    def verify(self, ids, live):
+    def _feed(self, ids, live):  # what the loop calls for a decode or verify step
         k = int(live.sum())
         self.n += k
         return self._logits(k)[None]
 
-    def rollback(self, n):
-        self.n -= int(torch.as_tensor(n).sum())
+    def _forget(self, n):  # and for a rollback
+        self.n -= int(n.sum())
 
 
 def steps(prompt: list[int], new: list[int], vocab: int, setting) -> dict:

@@ -154,9 +154,7 @@ class HostDecoder:
         live = check_mask(active, ids.shape, "active")
         live = torch.ones(self.batch_size, dtype=torch.bool) if live is None else live.cpu()
         self._check_capacity(live.long())
-        logits = self._call(ids.long().cpu()[:, None], self._count, live[:, None])[:, 0]
-        self._count += live.long()
-        return logits.float().cpu()
+        return self._feed(ids.long().cpu()[:, None], live[:, None])[:, 0]
 
     # -- rollback and verification (speculative decoding) ----------------------------
     def rollback(self, n) -> None:
@@ -230,10 +228,28 @@ class HostDecoder:
             return self.prefill(ids, active)
         ids, live = self._check_prompt(ids, active)
         self._check_capacity(live.long().sum(1))
-        pad = n - ids.shape[1]
-        lg = self._call(torch.nn.functional.pad(ids, (0, pad)), self._count, torch.nn.functional.pad(live, (0, pad)))
-        self._count += live.long().sum(1)
-        return lg[:, :ids.shape[1]].float().cpu()
+        return self._feed(ids, live)
+
+    def _feed(self, ids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """`decode` (n = 1) or `verify` (1 < n <= verify_len) of tokens already checked: ids
+        (B, n) int64 in the vocabulary, live (B, n) bool, within capacity. Returns (B, n, V) float.
+
+        WHY unchecked: `generate`'s loops feed tokens they picked themselves from logits, within
+        the capacity `generate` checked up front; the public methods' checks (a dozen small
+        torch ops, each 3-8 us here) would cost about a tenth of a small model's step."""
+        n = ids.shape[1]
+        if n > 1:  # the verify step's fixed shape: pad with dead tokens
+            pad = self.verify_len - n
+            ids, live = torch.nn.functional.pad(ids, (0, pad)), torch.nn.functional.pad(live, (0, pad))
+        lg = self._call(ids, self._count, live)
+        self._count += live.sum(1)
+        return lg[:, :n].float().cpu()
+
+    def _forget(self, n: torch.Tensor) -> None:
+        """`rollback` of n (B,) int64 tokens per row already known to be forgettable (the
+        rejected guesses of the verify step just run)."""
+        self._count -= n
+        self._undo -= n
 
     # -- per-row lifecycle (continuous batching) --------------------------------------
     def reset_rows(self, rows) -> None:
@@ -384,7 +400,7 @@ class HostDecoder:
                 done |= nxt == eos
             if t + 1 == max_new_tokens or bool(done.all()):
                 break
-            logits = self.decode(torch.where(done, 0, nxt), active=~done)
+            logits = self._feed(torch.where(done, 0, nxt)[:, None], ~done[:, None])[:, 0]
         if streamer is not None:
             streamer.end()
         return out

@@ -121,16 +121,21 @@ def _accept(logits: torch.Tensor, drafts: list[int], q: list | None, warp, seen:
 def _feed_last(dec, toks: list[list[int]]) -> torch.Tensor:
     """Feeds each row its list of tokens (0, 1 or more) in one step; (B, V) logits at each row's
     last fed token (unspecified for a row fed nothing)."""
-    n = max(len(t) for t in toks)
-    B = dec.batch_size
-    if n <= 1:
-        ids = torch.tensor([t[0] if t else 0 for t in toks])
-        return dec.decode(ids, torch.tensor([bool(t) for t in toks]))
+    n = max(max(len(t) for t in toks), 1)
     ids = torch.tensor([t + [0] * (n - len(t)) for t in toks])
     live = torch.tensor([[j < len(t) for j in range(n)] for t in toks])
-    lg = dec.verify(ids, live) if n <= (dec.verify_len or dec.prefill_chunk) else dec.prefill(ids, live)
+    lg = _step(dec, ids, live)
     last = torch.tensor([max(len(t) - 1, 0) for t in toks])
-    return lg[torch.arange(B), last]
+    return lg[torch.arange(dec.batch_size), last]
+
+
+def _step(dec, ids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """Feeds tokens this loop picked, ids (B, n) with live (B, n), in one step: (B, n, V) logits.
+    `HostDecoder._feed` skips the public methods' input checks (ids from the model's own
+    logits, capacity checked by `generate`); more tokens than a verify step takes go to prefill."""
+    if ids.shape[1] == 1 or ids.shape[1] <= (dec.verify_len or 0):
+        return dec._feed(ids, live)
+    return dec.prefill(ids, live)
 
 
 def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tokens: int, sample: bool, warp,
@@ -216,7 +221,7 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
                 drafts = [lookups[b].propose(room[b]) if room[b] > 0 else [] for b in range(B)]
             skipped = 0 if gate else skipped + 1
         if not any(drafts):
-            logits = dec.decode(torch.tensor(nxt), torch.tensor([not d for d in done]))
+            logits = _step(dec, torch.tensor(nxt)[:, None], torch.tensor([[not d] for d in done]))[:, 0]
             st["decodes"] += 1
             for b in range(B):
                 if not done[b]:
@@ -227,7 +232,7 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
         n = 1 + max(len(d) for d in drafts)
         vids = torch.tensor([[nxt[b]] + drafts[b] + [0] * (n - 1 - len(drafts[b])) for b in range(B)])
         vlive = torch.tensor([[not done[b] and j <= len(drafts[b]) for j in range(n)] for b in range(B)])
-        vl = dec.verify(vids, vlive)  # (B, n, V)
+        vl = _step(dec, vids, vlive)  # (B, n, V)
         st["rounds"] += 1
         st["k"].append(n - 1)
         back, draft_back = [0] * B, [0] * B
@@ -248,9 +253,10 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
                 draft_back[b] = fed - min(a, fed)
                 pending[b] = toks[min(a, fed):]
             emit(b, toks)
-        dec.rollback(torch.tensor(back))
+        # each row forgets no more than the guesses it was just fed (<= k <= rollback_limit)
+        dec._forget(torch.tensor(back))
         if draft is not None:
-            draft.rollback(torch.tensor(draft_back))
+            draft._forget(torch.tensor(draft_back))
             k = min(kmax, k + 2) if kept_all else max(1, k - 1)
         else:
             tried = [b for b in range(B) if drafts[b]]

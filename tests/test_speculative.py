@@ -29,9 +29,10 @@ def pair():
 
 
 def counting_verify(dec):
+    """Counts the verify steps (more than one token per row) that generation runs on dec."""
     calls = []
-    real = dec.verify
-    dec.verify = lambda *a, **k: calls.append(1) or real(*a, **k)
+    real = dec._feed
+    dec._feed = lambda ids, live: (calls.append(1) if ids.shape[1] > 1 else None) or real(ids, live)
     return calls
 
 
@@ -60,6 +61,30 @@ def test_speculative_greedy_equals_greedy(pair, source):
     assert len(calls) >= 3 if source != "self_draft" else len(calls) <= 30 // 4 + 2
     got = dec.generate(ids, mask, max_new_tokens=30, eos_token_id=eos, pad_token_id=1, speculate=4, draft=draft)
     assert torch.equal(got, want_eos)
+
+
+@pytest.mark.parametrize("source", ["plain", "lookup", "draft"])
+def test_generation_checks_the_prompt_not_each_step(pair, monkeypatch, source):
+    """`generate`'s loops feed the tokens they pick through `_feed`, without the public methods'
+    input checks: the ids are checked as often for 6 new tokens as for 24 (the prompt only).
+    A loop that went back to `decode` / `verify` / `rollback` would check once per step."""
+    from shram_static import host, validation
+
+    model, draft_model, ids, mask = pair
+    dec = StaticDecoder(model, batch_size=2, prefill_chunk=4)
+    draft = StaticDecoder(draft_model, batch_size=2, prefill_chunk=3, verify_len=3) if source == "draft" else None
+    kw = {} if source == "plain" else dict(speculate=4, draft=draft)
+    calls = []
+    for mod in (host, validation):
+        real = mod.check_input_ids
+        monkeypatch.setattr(mod, "check_input_ids", lambda *a, _r=real, **k: calls.append(1) or _r(*a, **k))
+    monkeypatch.setattr(StaticDecoder, "rollback", lambda *a: pytest.fail("generate called rollback"))
+    counts = []
+    for n in (6, 24):
+        calls.clear()
+        dec.generate(ids, mask, max_new_tokens=n, **kw)
+        counts.append(len(calls))
+    assert counts[0] == counts[1] and counts[0] >= 1, counts
 
 
 def test_acceptance_rule_keeps_the_target_distribution():
