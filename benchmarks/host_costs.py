@@ -1,0 +1,69 @@
+"""What a decoder's host code costs per call, without the step itself.
+
+A small model's step is a millisecond or two, so the Python around it (input checks, padding,
+the logits check, bookkeeping) is a visible share of decoding. This builds a `StaticDecoder`,
+replaces its `_run` by one that returns fixed logits, and times each host path with `timeit`
+(best of 5 repeats): the public `decode` / `verify` / `rollback`, which check their inputs, and
+`_feed` / `_forget`, which `generate`'s loops use for tokens they picked themselves. Then it
+times `_run` itself (the compiled step with its guards skipped) for scale.
+
+    python benchmarks/host_costs.py [--model builtin|bench|DIR] [--calls 2000]
+"""
+
+import argparse
+import timeit
+
+import torch
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="builtin")
+    ap.add_argument("--calls", type=int, default=2000)
+    args = ap.parse_args(argv)
+
+    from shram_static import StaticDecoder
+    from shram_static.bench import build_model
+
+    model = build_model(args.model).eval()
+    dec = StaticDecoder(model, batch_size=1, compile=True)
+    V, n = model.config.vocab_size, dec.verify_len
+    ids = torch.randint(0, V, (1, 300), generator=torch.Generator().manual_seed(0))
+    dec.prefill(ids[:, :256])
+    dec.verify(ids[:, :n])  # compile both steps before timing
+    dec.rollback(n)
+    dec.decode(ids[:, 0])
+    dec.rollback(1)
+    v, v1 = ids[:, :n], ids[:, :1].clone()
+    live_v, live_1 = torch.ones(1, n, dtype=torch.bool), torch.ones(1, 1, dtype=torch.bool)
+
+    env = dict(dec=dec, v=v, v1=v1, live_v=live_v, live_1=live_1, two=torch.tensor([2]))
+
+    def us(stmt: str) -> float:
+        """Best-of-5 microseconds per call of stmt (each statement puts the counts back)."""
+        return min(timeit.repeat(stmt, number=args.calls, repeat=5, globals=env)) / args.calls * 1e6
+
+    run = dec._run
+    logits = {n: torch.randn(1, n, V), 1: torch.randn(1, 1, V)}
+    dec._run = lambda tokens, input_pos, live: logits[tokens.shape[1]]
+    undo = "dec._count -= {k}; dec._undo -= {k}"
+    rows = [
+        ("decode (checked)", us("dec.decode(v[:, 0]); " + undo.format(k=1))),
+        ("_feed, 1 token", us("dec._feed(v1, live_1); " + undo.format(k=1))),
+        (f"verify of {n} (checked)", us("dec.verify(v); " + undo.format(k=n))),
+        (f"_feed, {n} tokens", us("dec._feed(v, live_v); " + undo.format(k=n))),
+        ("rollback of 2 (checked)", us("dec._count += 2; dec._undo += 2; dec.rollback(two)")),
+        ("_forget of 2", us("dec._count += 2; dec._undo += 2; dec._forget(two)")),
+    ]
+    dec._run = run
+    env["pos"] = dec._count.clone()
+    rows.append((f"_run, the compiled verify step of {n}", us("dec._run(v, pos, live_v)")))
+    rows.append(("_run, the compiled decode step", us("dec._run(v1, pos, live_1)")))
+    print(f"{args.model}: host cost per call, the step replaced by fixed logits (best of 5 x {args.calls})")
+    for name, t in rows:
+        print(f"  {name:<40} {t:8.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
