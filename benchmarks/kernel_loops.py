@@ -27,7 +27,8 @@ import time
 
 
 def loop(model_name: str, step: str, seconds: float) -> None:
-    """Child: runs the step until `seconds` have passed, after printing "ready"."""
+    """Child: times 20 steps, prints "ready <ms per step>", then runs the step until `seconds`
+    have passed."""
     import torch
 
     from shram_static import StaticDecoder
@@ -39,9 +40,12 @@ def loop(model_name: str, step: str, seconds: float) -> None:
     dec.prefill(ids[:, :256])
     n = dec.verify_len if step == "verify" else 1
     tokens, live = ids[:, :n].clone(), torch.ones(1, n, dtype=torch.bool)
-    for _ in range(20):  # compiles, then warms the caches
+    for _ in range(10):  # compiles, then warms the caches
         dec._run(tokens, dec._count, live)
-    print("ready", flush=True)
+    t = time.perf_counter()
+    for _ in range(20):
+        dec._run(tokens, dec._count, live)
+    print(f"ready {(time.perf_counter() - t) / 20 * 1e3:.2f}", flush=True)
     end = time.time() + seconds
     while time.time() < end:
         dec._run(tokens, dec._count, live)
@@ -87,7 +91,8 @@ def main(argv=None) -> int:
     child = subprocess.Popen([sys.executable, __file__, "--child", "--model", args.model, "--step", args.step,
                               "--seconds", str(args.seconds)], stdout=subprocess.PIPE, text=True)
     try:
-        if child.stdout.readline().strip() != "ready":
+        ready = child.stdout.readline().split()
+        if not ready or ready[0] != "ready":
             raise SystemExit("the step loop did not start")
         with tempfile.TemporaryDirectory() as tmp:
             data = os.path.join(tmp, "perf.data")
@@ -107,7 +112,7 @@ def main(argv=None) -> int:
     by_dso = collections.Counter()
     for (dso, _, _), c in samples.items():
         by_dso[dso] += c
-    print(f"{args.model} {args.step} step: {total} samples")
+    print(f"{args.model} {args.step} step: {ready[1]} ms (mean of 20 before sampling), {total} samples")
     for dso, c in by_dso.most_common(6):
         print(f"  {100 * c / total:5.1f}%  {os.path.basename(dso)}")
     kernels = [d for d, _ in by_dso.most_common() if d.endswith(".main.so")][:args.kernels]
