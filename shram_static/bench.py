@@ -44,6 +44,17 @@ BACKENDS = ("eager", "compiled", "pte", "pte-int8", "pte-8da4w", "onnx")
 EXPORTED = {"pte": ("pte", None), "pte-int8": ("pte", "int8"), "pte-8da4w": ("pte", "8da4w"), "onnx": ("onnx", None)}
 
 
+def quantization(backend: str) -> str | None:
+    """The weight quantization of a backend (`EXPORTED`), None for a float or PyTorch one."""
+    return EXPORTED.get(backend, (None, None))[1]
+
+
+def float_partner(backend: str) -> str | None:
+    """The float backend of a quantized one's format (`pte-int8` -> `pte`), else None."""
+    fmt, q = EXPORTED.get(backend, (None, None))
+    return next((name for name, spec in EXPORTED.items() if spec == (fmt, None)), None) if q else None
+
+
 def build_model(name: str):
     """'bench' (the bench config, seeded weights), 'builtin', or a checkpoint directory."""
     from .config import ShramConfig
@@ -120,7 +131,7 @@ class Runner:
         self.dec, self.steps = dec, steps
         self.info = dict(model=model_name, backend=backend, batch=B, chunk=prefill_chunk,
                          warmup_s=round(time.perf_counter() - t, 2),
-                         read_bytes=decode_read_bytes(model, B, prefill_chunk, EXPORTED.get(backend, (None, None))[1]),
+                         read_bytes=decode_read_bytes(model, B, prefill_chunk, quantization(backend)),
                          state_bytes=state_bytes(cfg, B, prefill_chunk), contexts=contexts(S, steps))
 
     def measure(self, ctx: int) -> dict:
@@ -302,8 +313,8 @@ def add_ratios(results: list[dict], bandwidth: float) -> None:
         r["floor_ms"] = round(1e3 * r["read_bytes"] / bandwidth, 3)
         ref = by_backend.get((r["model"], r["batch"], "compiled"))
         ref_pts = {p["context"]: p for p in ref["points"]} if ref else {}
-        quantized = EXPORTED.get(r["backend"], (None, None))[1] is not None
-        flt = by_backend.get((r["model"], r["batch"], r["backend"].split("-")[0])) if quantized else None
+        quantized = quantization(r["backend"]) is not None
+        flt = by_backend.get((r["model"], r["batch"], float_partner(r["backend"]))) if quantized else None
         flt_pts = {p["context"]: p for p in flt["points"]} if flt else {}
         for p in r["points"]:
             p["x_floor"] = round(p["decode_ms"] / r["floor_ms"], 2)

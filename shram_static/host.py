@@ -195,8 +195,7 @@ class HostDecoder:
                 why = (f"it can forget at most {int(can[b])} now (this decoder keeps the last "
                        f"rollback_limit={self.rollback_limit} fed tokens, fewer since a rollback)")
             raise ValueError(f"cannot roll back {int(t[b])} tokens of row {b}: {why}")
-        self._count -= t
-        self._undo -= t
+        self._forget(t)
 
     @property
     def rollbackable(self) -> torch.Tensor:
@@ -246,8 +245,8 @@ class HostDecoder:
         return lg[:, :n].float().cpu()
 
     def _forget(self, n: torch.Tensor) -> None:
-        """`rollback` of n (B,) int64 tokens per row already known to be forgettable (the
-        rejected guesses of the verify step just run)."""
+        """`rollback` of n (B,) int64 tokens per row already known to be forgettable (checked
+        there; `generate` forgets only the rejected guesses of the verify step just run)."""
         self._count -= n
         self._undo -= n
 
