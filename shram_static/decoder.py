@@ -32,7 +32,7 @@ NO_SIZE_ASSERTS = {"size_asserts": False}
 
 
 class StaticDecoder(HostDecoder):
-    """Decodes with fixed-shape state: two step functions over buffers allocated once.
+    """Decodes with fixed-shape state: step functions over buffers allocated once.
 
     Args:
         model: a `ShramForCausalLM` (eval mode; its dtype and device are used for the state).
@@ -64,7 +64,10 @@ class StaticDecoder(HostDecoder):
 
     The decode step is `decode_step(tokens (B, 1), input_pos (B,), live (B, 1))`, the prefill
     step `prefill_step(tokens (B, C), input_pos (B,), live (B, C))`; both return logits
-    (B, 1 or C, V) and update `self.state` in place.
+    (B, 1 or C, V) and update `self.state` in place. `verify_step` takes verify_len tokens per
+    row, and `prefill_last_step` a chunk as `prefill_step` does but returns (B, 1, V) logits at
+    each row's last live token (`prefill`/`step` with `last_only=True`). Each compiles on its
+    first call.
     """
 
     def __init__(self, model, batch_size: int = 1, prefill_chunk: int = 32, compile: bool = False,
@@ -96,8 +99,8 @@ class StaticDecoder(HostDecoder):
         if compile and p.device.type == "cpu":  # Inductor's ISA check, beside the first trace
             start_isa_checks()
         if compile:
-            # Two separate compiled functions (two code objects), so each step owns exactly
-            # one graph and neither shape ever triggers a recompile of the other.
+            # Separate compiled functions (one code object each), so each step owns exactly
+            # one graph and no shape ever triggers a recompile of another.
             self.decode_step = torch.compile(self._decode_step, fullgraph=True, dynamic=False,
                                              options=decode_options)
             self.prefill_step = torch.compile(self._prefill_step, fullgraph=True, dynamic=False,
@@ -106,10 +109,16 @@ class StaticDecoder(HostDecoder):
             # row reductions read each weight once, as at decode).
             self.verify_step = torch.compile(self._verify_step, fullgraph=True, dynamic=False,
                                              options={**NO_SIZE_ASSERTS, **ROW_INPUTS_STORED})
+            # A fourth for a prompt's chunks, which need logits at each row's last token only
+            # (`prefill(last_only=True)`, what generation runs). Its layer region is the
+            # prefill step's graph, which Inductor's FX graph cache then serves.
+            self.prefill_last_step = torch.compile(self._prefill_last_step, fullgraph=True, dynamic=False,
+                                                   options=NO_SIZE_ASSERTS)
         else:
             self.decode_step = self._decode_step
             self.prefill_step = self._prefill_step
             self.verify_step = self._verify_step
+            self.prefill_last_step = self._prefill_last_step
 
     def _decode_step(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         return self.decode_module(tokens, input_pos, live)
@@ -120,11 +129,20 @@ class StaticDecoder(HostDecoder):
     def _verify_step(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         return self.decode_module(tokens, input_pos, live)
 
+    def _prefill_last_step(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        return self.module(tokens, input_pos, live, last_only=True)
+
+    def _run_last(self, tokens, input_pos, live):
+        if tokens.shape[1] != self.prefill_chunk:
+            return super()._run_last(tokens, input_pos, live)
+        return self._run(tokens, input_pos, live, "prefill_last")
+
     @torch.no_grad()
-    def _run(self, tokens, input_pos, live):
+    def _run(self, tokens, input_pos, live, key: str | None = None):
         C = tokens.shape[1]
-        key = "decode" if C == 1 else "prefill" if C == self.prefill_chunk else "verify"
-        fn = {"decode": self.decode_step, "prefill": self.prefill_step, "verify": self.verify_step}[key]
+        key = key or ("decode" if C == 1 else "prefill" if C == self.prefill_chunk else "verify")
+        fn = {"decode": self.decode_step, "prefill": self.prefill_step, "verify": self.verify_step,
+              "prefill_last": self.prefill_last_step}[key]
         d = self.device
         args = tokens.to(d), input_pos.to(d), live.to(d)
         if not self.compiled:
@@ -132,7 +150,7 @@ class StaticDecoder(HostDecoder):
         if not self.skip_guards:
             return run_batched(fn, *args)
         if key not in self._tensors:  # walking the module tree per call costs more than the guards
-            mod = self.module if key == "prefill" else self.decode_module
+            mod = self.module if key.startswith("prefill") else self.decode_module
             self._tensors[key] = [*mod.parameters(), *mod.buffers()]
         ptrs = [t.data_ptr() for t in self._tensors[key]]  # cheap: one pointer per tensor
         if self._checked.get(key) != ptrs:  # first call, or a tensor was replaced: check guards

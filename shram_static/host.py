@@ -3,7 +3,8 @@
 `HostDecoder` owns everything that happens on the host: input validation (before anything
 runs, so a bad call leaves the state exactly as it was), the live-token count of each row,
 splitting prompts into fixed-size chunks, and sampling. A backend implements only
-`_run(tokens, input_pos, live)` for C = 1 (decode) and C = prefill_chunk (prefill).
+`_run(tokens, input_pos, live)` for C = 1 (decode) and C = prefill_chunk (prefill), and
+optionally `_run_last` (a chunk's logits at each row's last live token only).
 """
 
 import numpy as np
@@ -73,6 +74,14 @@ class HostDecoder:
         """tokens (B, C) int64, input_pos (B,) int64, live (B, C) bool -> logits (B, C, V)."""
         raise NotImplementedError
 
+    def _run_last(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """Optional: as `_run`, but only the logits at each row's last live token, (B, 1, V)
+        (any for a row without one). A backend with a step that computes only those overrides
+        it; this one selects them from `_run`'s."""
+        lg = self._run(tokens, input_pos, live)  # (B, C, V)
+        at = (torch.arange(tokens.shape[1]) * live.cpu()).amax(1)  # (B,)
+        return lg[torch.arange(tokens.shape[0]), at.to(lg.device)][:, None]
+
     def _reset_state(self) -> None:
         """Optional: clear backend buffers (never needed for correctness)."""
 
@@ -119,17 +128,15 @@ class HostDecoder:
         pos = self._count.clone()
         out = []
         last = torch.zeros(B, V)  # (B, V) logits at each row's last live token so far
-        rows = torch.arange(B)
         for c0 in range(0, N + pad, C):
             lc = live[:, c0:c0 + C]
             if not bool(lc.any()):  # a chunk of padding only changes nothing
                 if not last_only:
                     out.append(torch.zeros(B, C, V))
                 continue
-            lg = self._call(ids[:, c0:c0 + C], pos, lc).float().cpu()  # (B, C, V)
-            if last_only:
-                at = (torch.arange(C) * lc).argmax(1)  # last live token of each row in this chunk
-                last = torch.where(lc.any(1)[:, None], lg[rows, at], last)
+            lg = self._call(ids[:, c0:c0 + C], pos, lc, last_only).float().cpu()  # (B, C or 1, V)
+            if last_only:  # lg (B, 1, V) at each row's last live token in this chunk
+                last = torch.where(lc.any(1)[:, None], lg[:, 0], last)
             else:
                 out.append(lg)
             pos += lc.long().sum(1)
@@ -273,7 +280,7 @@ class HostDecoder:
         self._count[idx.long()] = 0
         self._undo[idx.long()] = 0  # as `reset`: nothing of the new sequence to forget yet
 
-    def step(self, input_ids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    def step(self, input_ids: torch.Tensor, live: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
         """Runs one fixed-shape step: each row advances by its own number of live tokens.
 
         The building block of continuous batching: one call may carry a prompt chunk for one
@@ -286,9 +293,12 @@ class HostDecoder:
                 (the prefill step); any id in the vocabulary at dead tokens.
             live: (B, C) bool / 0-1, which tokens are live; a row's live tokens are appended
                 in column order after the tokens it already holds.
+            last_only: return only each row's logits at its last live token, (B, 1, V): all
+                a server needs, and the lm_head then reads its weight for B rows, not B x C.
 
         Returns:
-            (B, C, V) float logits (unspecified at dead tokens).
+            (B, C, V) float logits (unspecified at dead tokens), or (B, 1, V) with `last_only`
+            (unspecified for a row without a live token).
 
         Raises:
             TypeError, ValueError, CapacityError before running anything (state unchanged).
@@ -302,10 +312,12 @@ class HostDecoder:
         check_input_ids(input_ids, self.config.vocab_size)
         if live is None:
             raise TypeError("live must be a (B, C) bool tensor, got None")
+        if not isinstance(last_only, bool):
+            raise TypeError(f"last_only must be a bool, got {type(last_only).__name__}")
         lv = check_mask(live, input_ids.shape, "live").cpu()
         n_new = lv.long().sum(1)
         self._check_capacity(n_new)
-        logits = self._call(input_ids.long().cpu(), self._count, lv)
+        logits = self._call(input_ids.long().cpu(), self._count, lv, last_only and input_ids.shape[1] > 1)
         self._count += n_new
         return logits.float().cpu()
 
@@ -404,16 +416,17 @@ class HostDecoder:
             streamer.end()
         return out
 
-    def _call(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    def _call(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor,
+              last_only: bool = False) -> torch.Tensor:
         # Fresh contiguous copies with canonical strides: a compiled step guards on input
         # strides, and a column slice of a one-row prompt keeps the parent's row stride
         # (.contiguous() is a no-op for it), which made every prefill call recompile.
         canon = lambda t: t.clone(memory_format=torch.contiguous_format)
-        out = self._run(canon(tokens), canon(input_pos), canon(live))
+        out = (self._run_last if last_only else self._run)(canon(tokens), canon(input_pos), canon(live))
         # A fed token can be forgotten until rollback_limit later ones have been fed (the ring
         # and the routing history keep the last rollback_limit tokens beyond what a step needs).
         self._undo.add_(live.sum(1)).clamp_(max=self.rollback_limit)  # in place: fewer ops per step
-        _check_finite(out, live)
+        _check_finite(out, live.any(1, keepdim=True) if last_only else live)
         return out
 
     # -- validation -----------------------------------------------------------------

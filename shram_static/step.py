@@ -68,8 +68,8 @@ class Dims(NamedTuple):
 
 
 def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torch.Tensor,
-         live: torch.Tensor, ring: int, inplace: bool,
-         per_token_max: int = 1) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+         live: torch.Tensor, ring: int, inplace: bool, per_token_max: int = 1,
+         last_only: bool = False) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """Runs C tokens per row through the model, reading and updating the static state.
 
     Args:
@@ -85,9 +85,14 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
             speculative decoding) attends each token's K experts through their gathered caches
             and does its chunk arithmetic as fused reductions (`reductions.small_bmm`); a longer
             one (prefill) attends expert by expert (`_attend_by_expert`). The same logits.
+        last_only: logits at each row's last live token only, (B, 1, V) (transformers'
+            `logits_to_keep=1`): what a prompt's prefill needs, and the lm_head reads its
+            weight for one row instead of C (a 50k-token vocabulary's head was about half of
+            a 32-token chunk's time).
 
     Returns:
-        logits (B, C, V) (unspecified at dead tokens), the new state list, and the selected
+        logits (B, C, V) (unspecified at dead tokens; (B, 1, V) with `last_only`,
+        unspecified for a row without a live token), the new state list, and the selected
         experts (layers, B, C, K), -1 at dead tokens (unused outputs cost nothing in graphs).
     """
     cfg = model.config
@@ -157,6 +162,9 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
         x, idx, *new = run(layer, model.rope, x, *st, *sh, *dims)
         new_state += new if not inplace else list(st)
         routing.append(idx)
+    if last_only:
+        at = (torch.arange(C, device=dev) * live).amax(1)  # (B,) each row's last live token, 0 if none
+        x = x.gather(1, at[:, None, None].expand(B, 1, x.shape[-1]))  # (B, 1, d)
     return model.logits(x), new_state, torch.stack(routing)
 
 
@@ -291,10 +299,13 @@ class StepModule(nn.Module):
         self.per_token_max = per_token_max
         self.routing_log: list | None = None  # set to a list to record routing (eager only)
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """tokens (B, C) int64, input_pos (B,) int64, live (B, C) bool -> logits (B, C, V)."""
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor,
+                last_only: bool = False) -> torch.Tensor:
+        """tokens (B, C) int64, input_pos (B,) int64, live (B, C) bool -> logits (B, C, V), or
+        (B, 1, V) at each row's last live token with `last_only` (`step`)."""
         logits, _, routing = step(self.model, self.state.tensors(), tokens, input_pos, live,
-                                  self.state.ring, inplace=True, per_token_max=self.per_token_max)
+                                  self.state.ring, inplace=True, per_token_max=self.per_token_max,
+                                  last_only=last_only)
         if self.routing_log is not None:
             self.routing_log.append(routing)
         return logits

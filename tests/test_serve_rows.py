@@ -22,11 +22,13 @@ def model():
     return random_model(11, training_sequence_length=20, inference_sequence_length=40)
 
 
-def run_schedule(dec, seed: int, steps: int = 24):
+def run_schedule(dec, seed: int, steps: int = 24, last_only: bool = False):
     """A random continuous-batching schedule on `dec`: rows join (reset_rows), get prompt
     chunks in prefill-shape steps beside one decode token of the running rows, decode alone,
     go idle, and restart with new sequences. Returns every row's segments as (token ids,
-    logits at them), a segment being what a row was fed since its last start."""
+    logits at them), a segment being what a row was fed since its last start. With
+    `last_only` (what the server runs) a step returns each row's last live token's logits
+    only, and the others are None."""
     rng = random.Random(seed)
     V, S = dec.config.vocab_size, dec.capacity
     segs = [[] for _ in range(B)]  # per row: list of ([ids], [logits])
@@ -49,12 +51,19 @@ def run_schedule(dec, seed: int, steps: int = 24):
             for b in running:
                 n = rng.randint(1, C) if b == chunk_row else int(rng.random() < 0.8)
                 live[b, :n] = True
-        logits = dec.step(ids, live)
-        assert logits.shape == (B, width, V)
+        logits = dec.step(ids, live, last_only=last_only)
+        if last_only:
+            assert logits.shape == (B, 1, V)
+        else:
+            assert logits.shape == (B, width, V)
         for b in running:
             seg_ids, seg_logits = segs[b][-1]
+            n = int(live[b].sum())
             seg_ids += ids[b][live[b]].tolist()
-            seg_logits += list(logits[b][live[b]])
+            if last_only:
+                seg_logits += [None] * (n - 1) + [logits[b, 0]] if n else []
+            else:
+                seg_logits += list(logits[b][live[b]])
     return segs
 
 
@@ -65,7 +74,8 @@ def assert_rows_match_oracle(model, segs):
             if not ids:
                 continue
             want = run_oracle(model, torch.tensor([ids]))[0][0].float()  # (N, V)
-            err = (torch.stack(logits) - want).abs().max().item()
+            at = [i for i, lg in enumerate(logits) if lg is not None]
+            err = (torch.stack([logits[i] for i in at]) - want[at]).abs().max().item()
             assert err < TOL, f"row {b}, segment of {len(ids)} tokens: max logit error {err}"
             n += 1
     assert n > B and any(sum(bool(ids) for ids, _ in row) >= 2 for row in segs)  # rows restarted
@@ -79,14 +89,16 @@ def test_rows_join_leave_and_restart_independently(model, seed):
 
 @pytest.mark.heavy
 def test_compiled_rows_never_recompile(model):
-    """Any mix of joining, running and idle rows runs the same two compiled graphs."""
+    """Any mix of joining, running and idle rows runs the same two compiled graphs: the server's
+    (`last_only`: the prefill shape's step takes the lm_head of each row's last live token,
+    also when that is its first, or a row has none)."""
     torch._dynamo.reset()
     dec = StaticDecoder(model, batch_size=B, prefill_chunk=C, compile=True, skip_guards=False)
     for width in (1, C):  # compile both shapes once
-        dec.step(torch.zeros(B, width, dtype=torch.long), torch.zeros(B, width, dtype=torch.bool))
+        dec.step(torch.zeros(B, width, dtype=torch.long), torch.zeros(B, width, dtype=torch.bool), last_only=True)
     assert int(dec.live_counts.sum()) == 0
     with torch.compiler.set_stance("fail_on_recompile"):
-        segs = run_schedule(dec, 2, steps=18)
+        segs = run_schedule(dec, 2, steps=18, last_only=True)
     assert_rows_match_oracle(model, segs)
 
 
@@ -108,6 +120,8 @@ BAD_STEPS = {
                     ValueError, "0 and 1"),
     "overflow": (lambda d, V: d.step(torch.zeros(B, C, dtype=torch.long), torch.ones(B, C, dtype=torch.bool)),
                  CapacityError, "capacity"),
+    "last_only_not_bool": (lambda d, V: d.step(torch.zeros(B, C, dtype=torch.long), torch.ones(B, C, dtype=torch.bool),
+                                               last_only=1), TypeError, "last_only"),
     "row_out_of_range": (lambda d, V: d.reset_rows([0, B]), ValueError, "rows"),
     "row_negative": (lambda d, V: d.reset_rows(-1), ValueError, "rows"),
     "row_float": (lambda d, V: d.reset_rows([0.5]), TypeError, "rows"),

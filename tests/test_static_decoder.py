@@ -131,6 +131,29 @@ def test_prefill_last_only_is_each_rows_last_live_token():
     torch.testing.assert_close(last.decode(tok), full.decode(tok), atol=0, rtol=0)
 
 
+def test_prefill_last_only_runs_the_head_for_one_token_per_row():
+    """With `last_only` a chunk's lm_head multiplies one row per batch row, not B x C (what a
+    prompt's prefill saves: the head was about half of a 50k-vocabulary model's chunk): the
+    step's matmul FLOPs drop by exactly (B*C - B) * d * V * 2, and its logits are the full
+    step's at each row's last live token."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = random_config(12, training_sequence_length=48)
+    model = randomize_(ShramForCausalLM(cfg), 12)
+    B, C, d, V = 3, 5, cfg.embedding_width, cfg.vocab_size
+    ids = torch.randint(0, V, (B, C), generator=torch.Generator().manual_seed(12))
+    live = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 1, 0, 1, 0]], dtype=torch.bool)
+    flops, out = [], []
+    for last in (False, True):
+        dec = StaticDecoder(model, batch_size=B, prefill_chunk=C)
+        with FlopCounterMode(display=False) as fc, torch.no_grad():
+            out.append(dec._run_last(ids, dec._count, live) if last else dec._run(ids, dec._count, live))
+        flops.append(fc.get_total_flops())
+    assert flops[0] - flops[1] == (B * C - B) * d * V * 2
+    assert out[1].shape == (B, 1, V)
+    torch.testing.assert_close(out[1][:, 0], out[0][torch.arange(B), torch.tensor([4, 1, 3])], atol=1e-5, rtol=1e-5)
+
+
 def test_rows_going_dead_mid_generation():
     """A row made inactive for some decode steps changes nothing; when it resumes its logits are
     those of the uncached forward over its live tokens only."""

@@ -243,7 +243,7 @@ class Engine:
                 dec = self.decoder
                 for C in (1, dec.prefill_chunk):  # dead tokens only: no row changes
                     dec.step(torch.zeros(dec.batch_size, C, dtype=torch.long),
-                             torch.zeros(dec.batch_size, C, dtype=torch.bool))
+                             torch.zeros(dec.batch_size, C, dtype=torch.bool), last_only=True)
             self._rows = [None] * self.decoder.batch_size
             self.status = "ready"
         except Exception as e:  # reported by /health; the server stays up to say so
@@ -321,13 +321,15 @@ class Engine:
             ids[j, :len(chunks[j])] = torch.tensor(chunks[j])
             live[j, :len(chunks[j])] = True
         t0 = time.perf_counter()
-        logits = dec.step(ids, live)  # (B, W, V)
+        # (B, 1, V) at each row's last live token: a running row's one token, a joining row's
+        # chunk end (the lm_head runs for B rows, not B x W)
+        logits = dec.step(ids, live, last_only=True)
         dt = time.perf_counter() - t0
         out = {b: logits[b, 0] for b in running}  # row -> (V,) logits of its next token
         for j, chunk in chunks.items():
             rows[j].fed += len(chunk)
             if rows[j].fed == len(rows[j].job.prompt):
-                out[j] = logits[j, len(chunk) - 1]
+                out[j] = logits[j, 0]
         self.metrics.observe_step("prefill" if W > 1 else "decode", dt, len(running) + len(joining), B)
         for b, lg in out.items():
             self._advance(b, lg)
