@@ -222,7 +222,8 @@ class ShramCache(Cache):
                         chunks.append(torch.zeros(B, C, model.config.vocab_size, dtype=self.dtype,
                                                   device=self.device))
                     continue
-                lg = self._step(model, ids[:, c0:c0 + C], lc)
+                # a chunk whose logits are dropped runs the lm_head for one token per row only
+                lg = self._step(model, ids[:, c0:c0 + C], lc, last_only=c0 < first)
                 if c0 >= first:
                     chunks.append(lg)
             logits = torch.cat(chunks, dim=1)[:, :N - first]
@@ -231,9 +232,9 @@ class ShramCache(Cache):
         self.columns.add_(N)
         return logits
 
-    def _step(self, model, tokens: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    def _step(self, model, tokens: torch.Tensor, live: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         logits, _, _ = step(model=model, state=self.state.tensors(), tokens=tokens, input_pos=self.live_counts,
-                            live=live, ring=self.state.ring, inplace=True)
+                            live=live, ring=self.state.ring, inplace=True, last_only=last_only)
         n = live.long().sum(1)
         self.live_counts.add_(n)
         self.undo.copy_((self.undo + n).clamp(max=self.state.rollback_limit))

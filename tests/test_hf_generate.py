@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import GOLDEN_CASES, golden_case, random_ids, random_model, recorded_builds
 from torch._inductor.async_compile import get_compile_threads
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import DynamicCache
 
 from shram_static import CapacityError, ShramCache, StaticDecoder
@@ -202,6 +203,14 @@ def test_logits_to_keep_keeps_the_last_columns(monkeypatch):
         assert got.shape == want.shape, k
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         assert cache.live_counts.tolist() == [11, 11]
+    # the two chunks before the kept column run the lm_head for one token per row, not 4
+    flops = []
+    for k in (0, 1):
+        with FlopCounterMode(display=False) as fc:
+            model(ids, cache=ShramCache(model.config, 2, prefill_chunk=4), logits_to_keep=k)
+        flops.append(fc.get_total_flops())
+    cfg = model.config
+    assert flops[0] - flops[1] == 2 * (2 * 4 - 2) * cfg.embedding_width * cfg.vocab_size * 2
     snap = _snapshot(cache)
     for bad, err in ((-1, ValueError), (True, TypeError), (1.0, TypeError)):
         with pytest.raises(err, match="logits_to_keep"):
