@@ -110,8 +110,10 @@ class StaticDecoder(HostDecoder):
             self.verify_step = torch.compile(self._verify_step, fullgraph=True, dynamic=False,
                                              options={**NO_SIZE_ASSERTS, **ROW_INPUTS_STORED})
             # A fourth for a prompt's chunks, which need logits at each row's last token only
-            # (`prefill(last_only=True)`, what generation runs). Its layer region is the
-            # prefill step's graph, which Inductor's FX graph cache then serves.
+            # (`prefill(last_only=True)` and `step(last_only=True)`: generation and the server).
+            # Its cold compile costs what the prefill step's does (Inductor compiles the layer
+            # region inside each step's graph); a caller that only generates compiles this one
+            # and never the other.
             self.prefill_last_step = torch.compile(self._prefill_last_step, fullgraph=True, dynamic=False,
                                                    options=NO_SIZE_ASSERTS)
         else:

@@ -87,8 +87,8 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
             one (prefill) attends expert by expert (`_attend_by_expert`). The same logits.
         last_only: logits at each row's last live token only, (B, 1, V) (transformers'
             `logits_to_keep=1`): what a prompt's prefill needs, and the lm_head reads its
-            weight for one row instead of C (a 50k-token vocabulary's head was about half of
-            a 32-token chunk's time).
+            weight for one row instead of C (with a 50k-token vocabulary, the head over 32
+            tokens is about half of a chunk's time on CPU).
 
     Returns:
         logits (B, C, V) (unspecified at dead tokens; (B, 1, V) with `last_only`,
