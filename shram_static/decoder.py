@@ -135,8 +135,6 @@ class StaticDecoder(HostDecoder):
         return self.module(tokens, input_pos, live, last_only=True)
 
     def _run_last(self, tokens, input_pos, live):
-        if tokens.shape[1] != self.prefill_chunk:
-            return super()._run_last(tokens, input_pos, live)
         return self._run(tokens, input_pos, live, "prefill_last")
 
     @torch.no_grad()

@@ -75,9 +75,10 @@ class HostDecoder:
         raise NotImplementedError
 
     def _run_last(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """Optional: as `_run`, but only the logits at each row's last live token, (B, 1, V)
-        (any for a row without one). A backend with a step that computes only those overrides
-        it; this one selects them from `_run`'s."""
+        """Optional: as `_run` for a prefill chunk (C = prefill_chunk, the only width it is
+        called with), but only the logits at each row's last live token, (B, 1, V) (any for a
+        row without one). A backend with a step that computes only those overrides it; this one
+        selects them from `_run`'s."""
         lg = self._run(tokens, input_pos, live)  # (B, C, V)
         at = (torch.arange(tokens.shape[1]) * live.cpu()).amax(1)  # (B,)
         return lg[torch.arange(tokens.shape[0]), at.to(lg.device)][:, None]
