@@ -18,7 +18,7 @@ _QUANTIZE = {"pte": None, "pte-int8": "int8", "pte-8da4w": "8da4w"}
 
 def make_decoder(model, backend: str, prefill_chunk: int, stack: contextlib.ExitStack,
                  eos_token_id: int | None = None, bos_token_id: int | None = None,
-                 batch_size: int = 1, verify_len: int | None = None):
+                 batch_size: int = 1, verify_len: int | None = None, full_logits: bool = False):
     """A decoder of `model` on `backend` (batch 1 unless `batch_size` says otherwise).
 
     Args:
@@ -30,6 +30,8 @@ def make_decoder(model, backend: str, prefill_chunk: int, stack: contextlib.Exit
         batch_size: rows per step (`shram-static serve` runs one request per row).
         verify_len: tokens of the verify step (speculative decoding), written into an exported
             artifact; None: none in an export, the default (5) for eager and compiled.
+        full_logits: an export's prefill step returns every token's logits (what `eval`
+            scores), not only each row's last token's (what generation reads; faster).
 
     Returns:
         A `HostDecoder` (`prefill`, `decode`, `reset`, `generate`).
@@ -54,7 +56,7 @@ def make_decoder(model, backend: str, prefill_chunk: int, stack: contextlib.Exit
         path = os.path.join(tmp, "model.onnx")
         info(f"exporting to ONNX ({path}) ...")
         export_onnx(model, path, batch_size=batch_size, prefill_chunk=prefill_chunk, eos_token_id=eos_token_id,
-                    verify_len=verify_len)
+                    verify_len=verify_len, full_logits=full_logits)
         dec = load_onnx(path)
     else:
         path = os.path.join(tmp, "model.pte")
@@ -62,7 +64,8 @@ def make_decoder(model, backend: str, prefill_chunk: int, stack: contextlib.Exit
         info(f"exporting to ExecuTorch{f' ({quantize})' if quantize else ''} ({path}); lowering takes "
               f"a minute or more ...")
         export_pte(model, path, batch_size=batch_size, prefill_chunk=prefill_chunk, quantize=quantize,
-                   eos_token_id=eos_token_id, bos_token_id=bos_token_id, verify_len=verify_len)
+                   eos_token_id=eos_token_id, bos_token_id=bos_token_id, verify_len=verify_len,
+                   full_logits=full_logits)
         dec = load_pte(path)
     info(f"exported and loaded in {time.perf_counter() - t0:.1f} s")
     return dec

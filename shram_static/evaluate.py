@@ -132,7 +132,8 @@ def evaluate(text, checkpoint=None, backend: str = "eager", max_bytes: int | Non
     if window is not None and not 1 <= window <= S:
         raise ValueError(f"--window must be in [1, {S}] (the model's inference_sequence_length), got {window}")
     with contextlib.ExitStack() as stack:
-        dec = make_decoder(model, backend, prefill_chunk, stack, tok.eos_token_id, getattr(tok, "bos_token_id", None))
+        dec = make_decoder(model, backend, prefill_chunk, stack, tok.eos_token_id, getattr(tok, "bos_token_id", None),
+                           full_logits=True)  # every byte is scored
         t0 = time.perf_counter()
         r = score_bytes(dec, data, window, progress)
         r["seconds"] = time.perf_counter() - t0

@@ -67,6 +67,9 @@ class HostDecoder:
         # (0: none), and the verify step's tokens per row (None: verify runs as prefill).
         self.rollback_limit = 0
         self.verify_len: int | None = None
+        # False: the prefill step returns each row's last live token's logits only (an export
+        # written without full_logits); prefill and step then run with last_only alone.
+        self.full_logits = True
         self._undo = torch.zeros(batch_size, dtype=torch.long)  # tokens each row can forget now
 
     # -- backend hooks --------------------------------------------------------------
@@ -119,6 +122,8 @@ class HostDecoder:
         """
         if not isinstance(last_only, bool):
             raise TypeError(f"last_only must be a bool, got {type(last_only).__name__}")
+        if not last_only:
+            self._need_full_logits("prefill(..., last_only=False)")
         ids, live = self._check_prompt(input_ids, attention_mask)
         self._check_capacity(live.long().sum(1))
         B, N = ids.shape
@@ -232,6 +237,7 @@ class HostDecoder:
         if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == 1:
             return self.decode(ids[:, 0], None if active is None else active[:, 0])[:, None]
         if self.verify_len is None:
+            self._need_full_logits("verify without a verify step (exported without verify_len)")
             return self.prefill(ids, active)
         ids, live = self._check_prompt(ids, active)
         self._check_capacity(live.long().sum(1))
@@ -315,6 +321,8 @@ class HostDecoder:
             raise TypeError("live must be a (B, C) bool tensor, got None")
         if not isinstance(last_only, bool):
             raise TypeError(f"last_only must be a bool, got {type(last_only).__name__}")
+        if not last_only and input_ids.shape[1] > 1:
+            self._need_full_logits("step(...) of a prefill chunk without last_only=True")
         lv = check_mask(live, input_ids.shape, "live").cpu()
         n_new = lv.long().sum(1)
         self._check_capacity(n_new)
@@ -389,6 +397,9 @@ class HostDecoder:
                 if d is not None and not d.rollback_limit:
                     raise ValueError(f"{type(d).__name__} cannot roll back (an export written without "
                                      f"rollback support): re-export it to decode speculatively")
+            if self.verify_len is None:  # the guesses are then verified by the prefill step
+                self._need_full_logits("speculative decoding without a verify step (exported "
+                                       "without verify_len)")
             from .speculative import speculative_generate
             return speculative_generate(self, ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer,
                                         k, draft)
@@ -431,6 +442,12 @@ class HostDecoder:
         return out
 
     # -- validation -----------------------------------------------------------------
+    def _need_full_logits(self, what: str) -> None:
+        if not self.full_logits:
+            raise ValueError(f"{what} needs every token's logits, but this export's prefill step returns "
+                             f"only each row's last token's: re-export with full_logits=True "
+                             f"(shram-static export --full-logits)")
+
     def _check_prompt(self, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")

@@ -124,6 +124,8 @@ def _feed_last(dec, toks: list[list[int]]) -> torch.Tensor:
     n = max(max(len(t) for t in toks), 1)
     ids = torch.tensor([t + [0] * (n - len(t)) for t in toks])
     live = torch.tensor([[j < len(t) for j in range(n)] for t in toks])
+    if n > 1 and n > (dec.verify_len or 0):  # a prefill: its last-token logits only
+        return dec.prefill(ids, live, last_only=True)
     lg = _step(dec, ids, live)
     last = torch.tensor([max(len(t) - 1, 0) for t in toks])
     return lg[torch.arange(dec.batch_size), last]

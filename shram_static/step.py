@@ -319,18 +319,20 @@ class FunctionalStep(nn.Module):
         state: a `StaticState` giving the ring size and the state order (its buffers are
             not used).
         per_token_max: as in `StepModule`.
+        last_only: return the logits at each row's last live token only, (B, 1, V) (`step`).
     """
 
-    def __init__(self, model, state: StaticState, per_token_max: int = 1):
+    def __init__(self, model, state: StaticState, per_token_max: int = 1, last_only: bool = False):
         super().__init__()
         self.model = model
         self.ring = state.ring
         self.names = state.names()
         self.per_token_max = per_token_max
+        self.last_only = last_only
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor,
                 *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(tokens, input_pos, live, *state) -> (logits, *new_state)."""
         logits, new_state, _ = step(self.model, list(state), tokens, input_pos, live, self.ring, inplace=False,
-                                    per_token_max=self.per_token_max)
+                                    per_token_max=self.per_token_max, last_only=self.last_only)
         return (logits, *new_state)

@@ -11,6 +11,7 @@ import random
 import sys
 import unittest.mock
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -224,23 +225,20 @@ STOCK_LOWERING_CASE = "main_basic"
 LOWERING_ACCELERATORS = ("one_trace_lowering", "needed_xnnpack_passes", "needed_edge_passes",
                          "one_edge_conversion_trace", "delegate_outputs_from_metadata", "linear_partitioning",
                          "shared_provenance", "lazy_recompiles", "cached_type_hints", "mutable_buffers_listed_once")
-VERIFY_CASE = "left_padded"  # the golden case (3 rows) whose decode-only exports also carry a verify step
-
-
 def check_verify_step(dec, model) -> None:
-    """An exported decoder with a verify step of 4 tokens (`verify_len=4`, decode only) against
-    the eager `StaticDecoder`: verify, a per-row rollback, decode, and speculative greedy
-    generation (prompt lookup) equal to plain greedy's tokens."""
+    """An exported decoder with a verify step of 4 tokens (`verify_len=4`) against the eager
+    `StaticDecoder`: verify, a per-row rollback, decode, and speculative greedy generation
+    (prompt lookup) equal to plain greedy's tokens."""
     from shram_static import StaticDecoder
 
     B = dec.batch_size
     assert dec.rollback_limit == 4 and dec.verify_len == 4
-    ref = StaticDecoder(model, B, 1, verify_len=4)
+    ref = StaticDecoder(model, B, dec.prefill_chunk, verify_len=4)
     dec.reset()
     ids = random_ids(model.config, B, 14, seed=3)
     ids = torch.cat([ids, ids[:, :6]], 1)  # an opening that repeats: prompt lookup finds guesses
     for d in (dec, ref):
-        d.prefill(ids[:, :9])
+        d.prefill(ids[:, :9], last_only=True)
     torch.testing.assert_close(dec.verify(ids[:, 9:13]), ref.verify(ids[:, 9:13]), atol=1e-4, rtol=1e-4)
     back = torch.arange(B) % 4  # each row forgets 0..3 of the 4 tokens
     dec.rollback(back)
@@ -248,3 +246,38 @@ def check_verify_step(dec, model) -> None:
     torch.testing.assert_close(dec.decode(ids[:, 5]), ref.decode(ids[:, 5]), atol=1e-4, rtol=1e-4)
     want = ref.generate(ids, max_new_tokens=24)
     assert torch.equal(dec.generate(ids, max_new_tokens=24, speculate=3), want)
+
+
+def check_last_token_prefill(dec, model) -> None:
+    """An exported decoder whose prefill step returns each row's last live token's logits only
+    (the export default, `full_logits=False`; 2 or more rows, prefill chunk 4, a verify step of 4
+    tokens) against the eager `StaticDecoder`'s full logits: the last token's logits of rows
+    that end in different chunks, one with holes; a verify step of C tokens (routed to the
+    verify step, not to the last-token prefill); greedy generation. Asking for every token's
+    logits raises a ValueError naming `full_logits` and changes nothing."""
+    from shram_static import StaticDecoder
+
+    B = dec.batch_size
+    assert not dec.full_logits and dec.prefill_chunk == 4 and dec.verify_len == 4 and B >= 2
+    ref = StaticDecoder(model, B, 4, verify_len=4)
+    ids = random_ids(model.config, B, 11, seed=5)
+    live = torch.ones(B, 11, dtype=torch.bool)
+    live[1, 6:] = False  # row 1 ends in the second chunk ...
+    live[1, 2] = False  # ... with a hole
+    full = ref.prefill(ids, live)  # (B, 11, V)
+    want = full[:, 10].clone()
+    want[1] = full[1, 5]
+    torch.testing.assert_close(dec.prefill(ids, live, last_only=True), want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(dec.live_counts, ref.live_counts)
+    with pytest.raises(ValueError, match="full_logits"):
+        dec.prefill(ids[:, :3])
+    with pytest.raises(ValueError, match="full_logits"):
+        dec.step(ids[:, :4], torch.ones(B, 4, dtype=torch.bool))
+    assert torch.equal(dec.live_counts, ref.live_counts)  # nothing ran
+    torch.testing.assert_close(dec.verify(ids[:, :4]), ref.verify(ids[:, :4]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dec.step(ids[:, 4:8], torch.ones(B, 4, dtype=torch.bool), last_only=True),
+                               ref.prefill(ids[:, 4:8])[:, -1:], atol=1e-4, rtol=1e-4)
+    prompt = torch.cat([ids, ids[:, :5]], 1)
+    want = ref.generate(prompt, max_new_tokens=12)
+    assert torch.equal(dec.generate(prompt, max_new_tokens=12), want)
+    assert torch.equal(dec.generate(prompt, max_new_tokens=12, speculate=3), want)

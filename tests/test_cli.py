@@ -216,19 +216,22 @@ def test_export_quantize_embedding_needs_quantize(tmp_path, capsys):
 
 def test_export_flags_reach_both_exporters(tmp_path, monkeypatch):
     """`--no-parallel` exports in one process (the default is the two-process export);
-    `--decode-only` writes no prefill step (`prefill_chunk=None`) in either format."""
+    `--decode-only` writes no prefill step (`prefill_chunk=None`) in either format; `--full-logits`
+    keeps every token's logits in the prefill step of both (default: the last token's)."""
     import shram_static.export as ex
 
     seen = []
 
     def fake(fmt):
         def export(model, path, **kw):
-            seen.append((fmt, kw["parallel"], kw["prefill_chunk"]))
+            seen.append((fmt, kw["parallel"], kw["prefill_chunk"], kw["full_logits"]))
             return path if fmt == "pte" else {"decode": path}  # what each exporter returns
         return export
 
     monkeypatch.setattr(ex, "export_pte", fake("pte"))
     monkeypatch.setattr(ex, "export_onnx", fake("onnx"))
     assert main(["export", "--format", "pte,onnx", "--prefill-chunk", "16", "--out", str(tmp_path / "a")]) == 0
-    assert main(["export", "--format", "pte,onnx", "--no-parallel", "--decode-only", "--out", str(tmp_path / "b")]) == 0
-    assert seen == [("pte", True, 16), ("onnx", True, 16), ("pte", False, None), ("onnx", False, None)]
+    assert main(["export", "--format", "pte,onnx", "--no-parallel", "--decode-only", "--full-logits",
+                 "--out", str(tmp_path / "b")]) == 0
+    assert seen == [("pte", True, 16, False), ("onnx", True, 16, False), ("pte", False, None, True),
+                    ("onnx", False, None, True)]

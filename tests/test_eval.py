@@ -105,3 +105,18 @@ def test_eval_bad_input(tiny_ckpt, tmp_path, capsys):
         assert errors == [err[-1]] and words in err[-1], (argv, err)
     with pytest.raises(SystemExit):
         main(["eval", "--text", str(tmp_path / "ok.txt"), "--backend", "tflite"])
+
+
+def test_eval_of_an_export_asks_for_every_tokens_logits(tiny_ckpt, tmp_path, monkeypatch):
+    """An export's prefill step returns only the last token's logits unless exported with
+    `full_logits=True`; eval scores every byte, so it asks for that, and scores as eager does."""
+    import shram_static.evaluate as ev
+
+    seen, real = [], ev.make_decoder
+    monkeypatch.setattr(ev, "make_decoder", lambda *a, **kw: seen.append((a[1], kw)) or real(
+        a[0], "eager", *a[2:], **kw))
+    path = tmp_path / "t.txt"
+    path.write_text("To be, or not to be.\n", encoding="utf-8")
+    r = evaluate(path, tiny_ckpt, backend="onnx", progress=False)
+    assert seen == [("onnx", {"full_logits": True})]
+    assert r["bits_per_byte"] == pytest.approx(evaluate(path, tiny_ckpt, progress=False)["bits_per_byte"])

@@ -12,7 +12,8 @@ import onnx
 import pytest
 import torch
 
-from helpers import GOLDEN_CASES, VERIFY_CASE, check_verify_step, counting_traces, golden_case, golden_run
+from helpers import (GOLDEN_CASES, check_last_token_prefill, check_verify_step, counting_traces, golden_case,
+                     golden_run, tiny_model)
 
 from shram_static import StaticDecoder
 from shram_static.export import ExportFormatError, export_onnx, load_onnx
@@ -32,7 +33,7 @@ def builtin(tmp_path_factory):
     with warnings.catch_warnings(), counting_traces() as traces:
         warnings.filterwarnings("error", message=LEAFSPEC_NOTICE, category=FutureWarning)
         paths = export_onnx(model, tmp_path_factory.mktemp("onnx") / "m.onnx", batch_size=2, prefill_chunk=8,
-                            eos_token_id=257)
+                            eos_token_id=257, full_logits=True)  # the golden check reads every token's
     # The graph exported in this process (prefill; decode goes to a forked one) was traced once,
     # by `onnx_decomposed`: the exporter took it whole. A decomposition table made for another
     # opset than the export's would make it decompose again (half as much export time more).
@@ -51,28 +52,38 @@ def test_golden_on_the_shared_export(builtin):
 @pytest.mark.parametrize("name", [c for c in GOLDEN_CASES if c != SHARED_CASE])
 def test_golden_logits_and_greedy(name, tmp_path):
     """Decode-only exports (the prompts go token by token through the decode graph; the prefill
-    graph is checked on the shared export): golden logits and tokens; VERIFY_CASE's also has a
-    verify graph, checked against the eager decoder (`check_verify_step`). A prefill graph an
+    graph is checked on the shared export): golden logits and tokens. A prefill graph an
     earlier export left at the same path is removed; without its data file nothing loads."""
     model, g = golden_case(name)
     B = g["input_ids"].shape[0]
     stale = graph_paths(tmp_path / "m.onnx")["prefill"]
     with open(stale, "wb") as f:
         f.write(b"an earlier export's prefill graph")
-    verify = name == VERIFY_CASE  # plus the verify graph (speculative decoding), `m.verify.onnx`
-    paths = export_onnx(model, tmp_path / "m.onnx", batch_size=B, prefill_chunk=None,
-                        verify_len=4 if verify else None)
-    assert sorted(paths) == ["data", "decode", *(["verify"] if verify else [])] and not os.path.exists(stale)
+    paths = export_onnx(model, tmp_path / "m.onnx", batch_size=B, prefill_chunk=None)
+    assert sorted(paths) == ["data", "decode"] and not os.path.exists(stale)
     dec = load_onnx(paths["decode"])
-    assert dec.prefill_chunk == 1 and list(dec._graphs) == ["decode", *(["verify"] if verify else [])]
+    assert dec.prefill_chunk == 1 and list(dec._graphs) == ["decode"]
     err, tokens = golden_run(dec, g)
     assert err <= 1e-3, f"{name}: max abs logit error {err}"
     assert torch.equal(tokens, g["greedy_tokens"]), f"{name}: {tokens} != {g['greedy_tokens']}"
-    if verify:
-        check_verify_step(dec, model)
     os.remove(paths["data"])
     with pytest.raises(FileNotFoundError, match="data"):
         load_onnx(paths["decode"])
+
+
+@pytest.mark.heavy
+def test_last_token_prefill_and_verify_graphs(tmp_path):
+    """The default export (`full_logits=False`) with a verify graph as wide as its prefill
+    chunk: the prefill graph returns each row's last live token's logits, [B, 1, V], and
+    verification runs the verify graph, not prefill (`check_last_token_prefill`); verify,
+    per-row rollback and speculative generation against the eager decoder (`check_verify_step`)."""
+    model = tiny_model()
+    paths = export_onnx(model, tmp_path / "m.onnx", batch_size=3, prefill_chunk=4, verify_len=4)
+    assert sorted(paths) == ["data", "decode", "prefill", "verify"]
+    dec = load_onnx(paths["decode"])
+    assert dec.meta["full_logits"] is False and list(dec._graphs["prefill"].logits.shape) == [3, 1, 259]
+    check_last_token_prefill(dec, model)
+    check_verify_step(dec, model)
 
 
 def test_graph_contract(builtin):

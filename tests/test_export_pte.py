@@ -16,8 +16,8 @@ import warnings
 import pytest
 import torch
 
-from helpers import (GOLDEN_CASES, LOWERING_ACCELERATORS, STOCK_LOWERING_CASE, VERIFY_CASE, check_verify_step,
-                     golden_case, golden_run, tiny_model)
+from helpers import (GOLDEN_CASES, LOWERING_ACCELERATORS, STOCK_LOWERING_CASE, check_last_token_prefill,
+                     check_verify_step, golden_case, golden_run, tiny_model)
 
 from shram_static import StaticDecoder
 from shram_static.accelerators import enabled
@@ -86,7 +86,8 @@ def builtin(tmp_path_factory):
         warnings.filterwarnings("error", message="the parallel process", category=RuntimeWarning)
         warnings.filterwarnings("error", message=LEAFSPEC_NOTICE, category=FutureWarning)
         mp.setattr(pte, "edge_program_from_value", lambda v: TRANSFERRED.append(1) or received(v))
-        et = lower_program(model, batch_size=1, prefill_chunk=8, eos_token_id=EOS, bos_token_id=BOS)
+        et = lower_program(model, batch_size=1, prefill_chunk=8, eos_token_id=EOS, bos_token_id=BOS,
+                           full_logits=True)  # the golden check reads every token's logits
     path = tmp_path_factory.mktemp("pte") / "builtin.pte"
     path.write_bytes(et.buffer)
     return str(path), et, model
@@ -111,6 +112,19 @@ def test_shared_program_lowered_in_two_processes(builtin):
     assert len(TRANSFERRED) == 1
 
 
+@pytest.mark.heavy
+def test_last_token_prefill_and_verify_methods(tmp_path):
+    """The default export (`full_logits=False`) with a verify method as wide as its prefill
+    chunk: `prefill` returns each row's last live token's logits, [B, 1, V], and verification
+    runs `verify`, not `prefill` (`check_last_token_prefill`); verify, per-row rollback and
+    speculative generation against the eager decoder (`check_verify_step`)."""
+    model = tiny_model()
+    dec = load_pte(export_pte(model, tmp_path / "m.pte", batch_size=3, prefill_chunk=4, verify_len=4))
+    assert dec.meta["full_logits"] is False and dec.meta["verify_method"] == "verify"
+    check_last_token_prefill(dec, model)
+    check_verify_step(dec, model)
+
+
 # Decode-only programs of the golden cases but the shared one; STOCK_LOWERING_CASE's is checked in
 # tests/test_accelerators.py (golden logits, and the same bytes as the stock lowering) wherever
 # the lowering accelerators run, so here only where they do not.
@@ -123,14 +137,11 @@ DECODE_ONLY_CASES = [c for c in GOLDEN_CASES if c != SHARED_CASE and not (
 def test_golden_logits_and_greedy(name, tmp_path):
     model, g = golden_case(name)
     B = g["input_ids"].shape[0]
-    # decode only: the prompts go token by token, as the stock runner feeds them; VERIFY_CASE's
-    # program also has a verify method (speculative decoding), checked against the eager decoder
-    verify = name == VERIFY_CASE
-    path = export_pte(model, tmp_path / f"{name}.pte", batch_size=B, prefill_chunk=None,
-                      verify_len=4 if verify else None)
+    # decode only: the prompts go token by token, as the stock runner feeds them
+    path = export_pte(model, tmp_path / f"{name}.pte", batch_size=B, prefill_chunk=None)
     dec = load_pte(path)
     assert dec.batch_size == B and dec.prefill_chunk == 1 and "prefill" not in dec.method_names
-    assert ("verify" in dec.method_names) == verify and dec.meta["verify_method"] == ("verify" if verify else None)
+    assert "verify" not in dec.method_names and dec.meta["verify_method"] is None
     assert dec.meta["decode_method"] == ("forward" if B == 1 else "decode")
     err, tokens = golden_run(dec, g)
     assert err <= 1e-3, f"{name}: max abs logit error {err}"
@@ -138,8 +149,6 @@ def test_golden_logits_and_greedy(name, tmp_path):
     # no BOS/EOS given and none in the config: the LLM constant methods say so
     get = lambda m: dec._program.load_method(m).execute([])  # noqa: E731
     assert get("get_eos_ids") == [] and get("get_bos_id") == [-1] and get("get_max_batch_size") == [B]
-    if verify:
-        check_verify_step(dec, model)
 
 
 def test_stock_runner_generates_like_static_decoder(builtin, tmp_path):
@@ -406,6 +415,10 @@ def test_export_argument_errors(tmp_path):
         export_pte(model, tmp_path / "x.pte", quantize_embedding=True)
     with pytest.raises(ValueError, match="prefill_chunk"):
         export_pte(model, tmp_path / "x.pte", prefill_chunk=0)
+    with pytest.raises(TypeError, match="full_logits must be a bool"):
+        export_pte(model, tmp_path / "x.pte", full_logits=1)
+    with pytest.raises(TypeError, match="full_logits must be a bool"):
+        export_onnx(model, tmp_path / "x.onnx", full_logits="yes")
     with pytest.raises(ValueError, match="eos_token_id"):
         export_pte(model, tmp_path / "x.pte", eos_token_id=10**6)
     with pytest.raises(ValueError, match="bos_token_id"):

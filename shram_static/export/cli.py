@@ -42,13 +42,14 @@ def export_main(args) -> int:
             path = export_pte(model, f"{stem}{suffix}.pte", batch_size=args.batch_size,
                               prefill_chunk=None if args.decode_only else args.prefill_chunk,
                               quantize=args.quantize, eos_token_id=eos, bos_token_id=tok.bos_token_id,
-                              quantize_embedding=args.quantize_embedding, parallel=args.parallel)
+                              quantize_embedding=args.quantize_embedding, parallel=args.parallel,
+                              full_logits=args.full_logits)
         else:
             if args.quantize:
                 info("note: --quantize applies to .pte only; the .onnx stays fp32")
             paths = export_onnx(model, f"{stem}.onnx", batch_size=args.batch_size,
                                 prefill_chunk=None if args.decode_only else args.prefill_chunk,
-                                eos_token_id=eos, parallel=args.parallel)
+                                eos_token_id=eos, parallel=args.parallel, full_logits=args.full_logits)
             path = paths["decode"]
         info(f"wrote {path} in {time.perf_counter() - t:.0f} s")
         print(path)
@@ -66,6 +67,9 @@ def register(subparsers) -> None:
     p.add_argument("--decode-only", action="store_true",
                    help="write no prefill step (.pte method, .onnx graph): prompts run token by token "
                         "through the decode step, as ExecuTorch's stock runner does; half the export work")
+    p.add_argument("--full-logits", action="store_true",
+                   help="the prefill step returns every token's logits (for scoring text), not only each "
+                        "row's last token's (all generation reads; the lm_head then runs on one token per row)")
     p.add_argument("--quantize", choices=["int8", "8da4w"], default=None,
                    help="int8: int8 weights per channel; 8da4w: int4 weights in groups of 32 (.pte only)")
     p.add_argument("--quantize-embedding", action="store_true",

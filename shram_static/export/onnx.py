@@ -3,14 +3,15 @@
 Files for `export_onnx(model, "m.onnx", ...)`:
   * `m.onnx`: the decode graph (C = 1), a complete model on its own;
   * `m.prefill.onnx`: the prefill graph (C = prefill_chunk); none with `prefill_chunk=None`
-    (decode only: prompts then go token by token through the decode graph);
+    (decode only: prompts then go token by token through the decode graph). Its logits are
+    each row's last live token's, [B, 1, V], unless exported with `full_logits=True`;
   * `m.verify.onnx`: with `verify_len`, the verify graph (C = verify_len: speculative
     decoding's last token and guesses);
   * `m.onnx.data`: the weights of all graphs, stored once (external data, deduplicated by content).
 Each graph is `(input_ids [B, C] int64, position_ids [B] int64, live [B, C] bool,
-past.<name>...) -> (logits [B, C, V], present.<name>...)` over the state tensors of
-`StaticState.names()`; `position_ids` is the number of live tokens each row holds before the
-call (the position of its first live token). The model config and the export parameters are
+past.<name>...) -> (logits [B, C, V], present.<name>...)` (the prefill graph's logits as said
+above) over the state tensors of `StaticState.names()`; `position_ids` is the number of live
+tokens each row holds before the call (the position of its first live token). The model config and the export parameters are
 JSON strings in `metadata_props` (`shram_config`, `shram_export`).
 
 WHY pure functions: the dynamo exporter turns in-place buffer mutations into constant
@@ -92,7 +93,7 @@ def _externalize(models: list, data_path: str, min_bytes: int = 1024) -> None:
 
 def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32,
                 eos_token_id: int | None = None, *, parallel: bool = True,
-                verify_len: int | None = None) -> dict[str, str]:
+                verify_len: int | None = None, full_logits: bool = False) -> dict[str, str]:
     """Writes the decode and prefill graphs and their shared weights (see module docstring).
 
     Args:
@@ -109,6 +110,10 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
             (speculative decoding), and build the state to roll back max(prefill_chunk,
             verify_len) tokens (`rollback_limit` in the metadata). None: no verify graph;
             rollback up to prefill_chunk still works.
+        full_logits: the prefill graph returns every token's logits, [B, C, V], as evaluation
+            (perplexity) needs. Default False: only each row's last live token's, [B, 1, V],
+            which is all generation reads, and the lm_head then runs on B rows instead of
+            B x C (the same default as ExecuTorch's llama export, `generate_full_logits`).
 
     Returns:
         The paths written, as `graph_paths(path, verify)` (without "prefill" when decode only).
@@ -118,6 +123,8 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
     cfg: ShramConfig = model.config
     if not isinstance(parallel, bool):
         raise TypeError(f"parallel must be a bool, got {parallel!r}")
+    if not isinstance(full_logits, bool):
+        raise TypeError(f"full_logits must be a bool, got {full_logits!r}")
     if verify_len is not None and (isinstance(verify_len, bool) or not isinstance(verify_len, int) or verify_len < 2):
         raise ValueError(f"verify_len must be an int >= 2 or None, got {verify_len!r}")
     C = 1 if prefill_chunk is None else prefill_chunk
@@ -127,6 +134,7 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
     state = StaticState(cfg, batch_size, C, dtype=dtype, rollback_limit=verify_len)
     # A verify step's few tokens attend per token, as decode does (`step.step`, per_token_max).
     fn = FunctionalStep(model, state, per_token_max=verify_len or 1).eval()
+    fn_last = FunctionalStep(model, state, per_token_max=verify_len or 1, last_only=True).eval()
     paths = graph_paths(path, verify=True)
     os.makedirs(os.path.dirname(os.path.abspath(paths["decode"])), exist_ok=True)
     export_id = uuid.uuid4().hex  # ties the files of one export together
@@ -135,14 +143,15 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
     chunks = {"decode": 1} if prefill_chunk is None else {"decode": 1, "prefill": C}
     if verify_len is not None:
         chunks["verify"] = verify_len
-    jobs = {role: functools.partial(_export_graph, fn, state, chunks[role]) for role in reversed(chunks)}
+    step_of = {role: fn_last if role == "prefill" and not full_logits else fn for role in chunks}
+    jobs = {role: functools.partial(_export_graph, step_of[role], state, chunks[role]) for role in reversed(chunks)}
     protos = run_jobs(jobs, lambda m: m.SerializeToString(), onnx.ModelProto.FromString, parallel)
     models = {}
     for role, c in chunks.items():
         m = protos[role]
         meta = {"format": ONNX_FORMAT, "role": role, "roles": list(chunks), "export_id": export_id,
                 "batch_size": batch_size, "prefill_chunk": C, "chunk": c, "state_names": state.names(),
-                "rollback_limit": state.rollback_limit, "verify_len": verify_len,
+                "rollback_limit": state.rollback_limit, "verify_len": verify_len, "full_logits": full_logits,
                 "eos_token_id": eos_token_id, "dtype": str(dtype).replace("torch.", "")}
         onnx.helper.set_model_props(m, {"shram_config": cfg.to_json_string(use_diff=False),
                                          "shram_export": json.dumps(meta)})

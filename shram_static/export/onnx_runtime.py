@@ -111,14 +111,17 @@ class OnnxDecoder(HostDecoder):
         # support, whose state cannot roll back), and the verify graph's length if it has one.
         self.rollback_limit = int(meta.get("rollback_limit") or 0)
         self.verify_len = meta.get("verify_len") if "verify" in roles else None
+        # absent: written before last-token prefill graphs, whose prefill returned every token's
+        self.full_logits = bool(meta.get("full_logits", True)) or "prefill" not in roles
         self._graphs = {role: _Graph(paths[role], threads) for role in roles}
         B, C, V = self.batch_size, self.prefill_chunk, config.vocab_size
         for role, g in self._graphs.items():
             c = {"decode": 1, "prefill": C, "verify": self.verify_len}[role]
-            if g.inputs["input_ids"].shape != [B, c] or list(g.logits.shape) != [B, c, V]:
+            out = [B, 1 if role == "prefill" and not self.full_logits else c, V]
+            if g.inputs["input_ids"].shape != [B, c] or list(g.logits.shape) != out:
                 raise ExportFormatError(f"{paths[role]} takes input_ids {g.inputs['input_ids'].shape} and "
                                         f"returns logits {list(g.logits.shape)}, but its config says "
-                                        f"{[B, c]} -> {[B, c, V]} (a file from another config?)")
+                                        f"{[B, c]} -> {out} (a file from another config?)")
         # Starting state: zeros (finite; stale slots are masked by position, never cleared).
         dec_in = self._graphs["decode"].inputs
         self._arrays = [[np.zeros(dec_in[f"past.{n}"].shape, _NP_DTYPES[dec_in[f"past.{n}"].type])
@@ -131,8 +134,16 @@ class OnnxDecoder(HostDecoder):
 
     def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[1]
-        g = self._graphs["decode" if n == 1 else "prefill" if n == self.prefill_chunk and "prefill" in self._graphs
-                         else "verify"]
+        every = n == self.prefill_chunk and "prefill" in self._graphs and self.full_logits
+        return self._on(self._graphs["decode" if n == 1 else "prefill" if every else "verify"],
+                        tokens, input_pos, live)
+
+    def _run_last(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        if self.full_logits:  # a prefill graph of every token's logits: keep the last ones
+            return super()._run_last(tokens, input_pos, live)
+        return self._on(self._graphs["prefill"], tokens, input_pos, live)  # (B, 1, V)
+
+    def _on(self, g: "_Graph", tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         if not self.inplace:
             g.bind_state(self.names, self._state[0], self._state[1])
             self._state.reverse()  # after this run the outputs are the current state

@@ -4,7 +4,8 @@ One program holds:
   * the decode step: `forward(tokens [1, 1] int64, input_pos [1] int64) -> logits [1, V]` when
     batch_size is 1 (the signature of ExecuTorch's stock `TextLLMRunner`), otherwise
     `decode(tokens [B, 1], input_pos [B], live [B, 1] bool) -> logits [B, V]`;
-  * `prefill(tokens [B, C], input_pos [B], live [B, C] bool) -> logits [B, C, V]`, unless
+  * `prefill(tokens [B, C], input_pos [B], live [B, C] bool) -> logits [B, 1, V]` at each
+    row's last live token (`[B, C, V]`, every token's, with `full_logits=True`), unless
     exported with `prefill_chunk=None` (decode only: prompts then run token by token through
     the decode step, as the stock runner does with any program whose `enable_dynamic_shape`
     is False; half the lowering work and a smaller file, slower prompts);
@@ -55,15 +56,17 @@ class _Decode1(nn.Module):
 
 class _Chunk(nn.Module):
     """Batched step with live flags: `(tokens [B, C], input_pos [B], live [B, C])` -> logits
-    `[B, C, V]` (prefill), or `[B, V]` with `last=True` (the batched decode method, C = 1)."""
+    `[B, C, V]` (verify, full-logits prefill), `[B, 1, V]` at each row's last live token with
+    `last_live=True` (prefill), or `[B, V]` with `last=True` (the batched decode method, C = 1)."""
 
-    def __init__(self, step: StepModule, last: bool):
+    def __init__(self, step: StepModule, last: bool, last_live: bool = False):
         super().__init__()
         self.step = step
         self.last = last
+        self.last_live = last_live
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        logits = self.step(tokens, input_pos, live)
+        logits = self.step(tokens, input_pos, live, last_only=self.last_live)
         return logits[:, -1, :] if self.last else logits
 
 
@@ -139,7 +142,8 @@ def program_ops(et_program, method: str) -> dict:
 
 def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, quantize: str | None = None,
                   eos_token_id: int | None = None, bos_token_id: int | None = None, *,
-                  quantize_embedding: bool = False, parallel: bool = True, verify_len: int | None = None):
+                  quantize_embedding: bool = False, parallel: bool = True, verify_len: int | None = None,
+                  full_logits: bool = False):
     """Exports and lowers the two steps (with `parallel`, the decode step in a forked process);
     returns the `ExecutorchProgramManager` (not written).
 
@@ -159,6 +163,8 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         raise ValueError("quantize_embedding applies with quantize='int8' or '8da4w'")
     if not isinstance(parallel, bool):
         raise TypeError(f"parallel must be a bool, got {parallel!r}")
+    if not isinstance(full_logits, bool):
+        raise TypeError(f"full_logits must be a bool, got {full_logits!r}")
     if verify_len is not None and (isinstance(verify_len, bool) or not isinstance(verify_len, int) or verify_len < 2):
         raise ValueError(f"verify_len must be an int >= 2 or None, got {verify_len!r}")
     eos_token_id = getattr(cfg, "eos_token_id", None) if eos_token_id is None else eos_token_id
@@ -184,8 +190,9 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     pre_args = (torch.zeros(B, C, **i64), torch.zeros(B, **i64), torch.ones(B, C, dtype=torch.bool))
     methods = {decode_name: (dec, dec_args)}  # decode first: see _init_first_method_pass
     if prefill_chunk is not None:
-        methods["prefill"] = (_Chunk(step, last=False), pre_args)
-    verify_method = None if verify_len is None else "prefill" if verify_len == C and prefill_chunk else "verify"
+        methods["prefill"] = (_Chunk(step, last=False, last_live=not full_logits), pre_args)
+    full_prefill = prefill_chunk is not None and full_logits  # prefill can verify C tokens
+    verify_method = None if verify_len is None else "prefill" if verify_len == C and full_prefill else "verify"
     if verify_method == "verify":  # speculative decoding's verify step: k + 1 tokens per row
         Cv = verify_len
         methods["verify"] = (_Chunk(step, last=False), (torch.zeros(B, Cv, **i64), torch.zeros(B, **i64),
@@ -212,6 +219,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         "prefill_method": None if prefill_chunk is None else "prefill", "state_names": state.names(),
         "eos_token_id": eos_token_id, "bos_token_id": bos_token_id,
         "rollback_limit": state.rollback_limit, "verify_len": verify_len, "verify_method": verify_method,
+        "full_logits": full_logits,
     }
     constants = {
         "get_max_seq_len": cfg.inference_sequence_length,
@@ -254,7 +262,8 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
 
 def export_pte(model, path, batch_size: int = 1, prefill_chunk: int | None = 32, quantize: str | None = None,
                eos_token_id: int | None = None, bos_token_id: int | None = None, *,
-               quantize_embedding: bool = False, parallel: bool = True, verify_len: int | None = None) -> str:
+               quantize_embedding: bool = False, parallel: bool = True, verify_len: int | None = None,
+               full_logits: bool = False) -> str:
     """Writes one ExecuTorch program (XNNPACK delegate, portable kernels for the rest).
 
     Args:
@@ -281,12 +290,17 @@ def export_pte(model, path, batch_size: int = 1, prefill_chunk: int | None = 32,
             guesses; `prefill` serves when n equals prefill_chunk), and build the state to roll
             back max(prefill_chunk, n) tokens (stored as `rollback_limit` in the metadata).
             None: no verify method; rollback up to prefill_chunk still works.
+        full_logits: `prefill` returns every token's logits, [B, C, V], as evaluation
+            (perplexity) needs. Default False: only each row's last live token's, [B, 1, V],
+            which is all generation reads, and the lm_head then runs on B rows instead of
+            B x C (the same default as ExecuTorch's llama export, `generate_full_logits`).
 
     Returns:
         The path written.
     """
     et = lower_program(model, batch_size, prefill_chunk, quantize, eos_token_id, bos_token_id,
-                       quantize_embedding=quantize_embedding, parallel=parallel, verify_len=verify_len)
+                       quantize_embedding=quantize_embedding, parallel=parallel, verify_len=verify_len,
+                       full_logits=full_logits)
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "wb") as f:

@@ -74,9 +74,11 @@ class PteDecoder(HostDecoder):
         self.meta = meta
         self._program = program
         B, C, V = self.batch_size, self.prefill_chunk, config.vocab_size
+        # absent: written before last-token prefill methods, whose prefill returned every token's
+        self.full_logits = bool(meta.get("full_logits", True)) or meta["prefill_method"] is None
         self._check_signature(meta["decode_method"], (B, 1), (B, V))
         if meta["prefill_method"] is not None:
-            self._check_signature(meta["prefill_method"], (B, C), (B, C, V))
+            self._check_signature(meta["prefill_method"], (B, C), (B, C if self.full_logits else 1, V))
         # Rollback: the limit the state was built for (absent: a file written before rollback
         # support, whose state cannot roll back); the verify step, if the file has one.
         self.rollback_limit = int(meta.get("rollback_limit") or 0)
@@ -121,6 +123,12 @@ class PteDecoder(HostDecoder):
         with torch_threads(1):
             return self._execute(tokens, input_pos, live)
 
+    def _run_last(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        if self.full_logits:  # a prefill method of every token's logits: keep the last ones
+            return super()._run_last(tokens, input_pos, live)
+        with torch_threads(1):  # as in _run
+            return self._prefill.execute([tokens.contiguous(), input_pos.contiguous(), live.contiguous()])[0]
+
     def _execute(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] == 1:
             if self._batched:
@@ -132,7 +140,7 @@ class PteDecoder(HostDecoder):
                 # decode is a no-op, so skip the call (its logits are unspecified).
                 out = torch.zeros(1, self.config.vocab_size)
             return out[:, None, :]
-        if tokens.shape[1] != self.prefill_chunk or self._prefill is None:
+        if tokens.shape[1] != self.prefill_chunk or self._prefill is None or not self.full_logits:
             return self._verify.execute([tokens, input_pos, live])[0]
         return self._prefill.execute([tokens, input_pos, live])[0]
 
