@@ -118,7 +118,9 @@ class HostDecoder:
             (unspecified for a row without a live token).
 
         Raises:
-            TypeError, ValueError, CapacityError before running anything (state unchanged).
+            TypeError, ValueError, CapacityError before running anything (state unchanged);
+            ValueError without `last_only` on an export whose prefill step returns the last
+            token's logits only (`full_logits` False).
         """
         if not isinstance(last_only, bool):
             raise TypeError(f"last_only must be a bool, got {type(last_only).__name__}")
@@ -308,7 +310,9 @@ class HostDecoder:
             (unspecified for a row without a live token).
 
         Raises:
-            TypeError, ValueError, CapacityError before running anything (state unchanged).
+            TypeError, ValueError, CapacityError before running anything (state unchanged);
+            ValueError for a prompt chunk without `last_only` on an export whose prefill step
+            returns the last token's logits only (`full_logits` False).
         """
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")

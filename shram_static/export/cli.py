@@ -33,7 +33,8 @@ def export_main(args) -> int:
     stem = os.path.join(args.out, "model")
     for fmt in formats:
         t = time.perf_counter()
-        chunk = "decode only" if args.decode_only else f"prefill chunk {args.prefill_chunk}"
+        chunk = ("decode only" if args.decode_only else f"prefill chunk {args.prefill_chunk}, "
+                 f"{'every' if args.full_logits else 'the last'} token's logits")
         info(f"exporting {fmt} (batch {args.batch_size}, {chunk}"
              f"{', ' + args.quantize if args.quantize and fmt == 'pte' else ''}); "
              f"lowering can take minutes ...")

@@ -11,8 +11,8 @@ Files for `export_onnx(model, "m.onnx", ...)`:
 Each graph is `(input_ids [B, C] int64, position_ids [B] int64, live [B, C] bool,
 past.<name>...) -> (logits [B, C, V], present.<name>...)` (the prefill graph's logits as said
 above) over the state tensors of `StaticState.names()`; `position_ids` is the number of live
-tokens each row holds before the call (the position of its first live token). The model config and the export parameters are
-JSON strings in `metadata_props` (`shram_config`, `shram_export`).
+tokens each row holds before the call (the position of its first live token). The model config
+and the export parameters are JSON strings in `metadata_props` (`shram_config`, `shram_export`).
 
 WHY pure functions: the dynamo exporter turns in-place buffer mutations into constant
 initializers and drops the updates without a warning (the graph would forget its state).

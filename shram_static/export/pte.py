@@ -287,7 +287,7 @@ def export_pte(model, path, batch_size: int = 1, prefill_chunk: int | None = 32,
             memory). False: one process.
         verify_len: also write a `verify(tokens [B, n], input_pos [B], live [B, n])` method of
             n = verify_len tokens per row (speculative decoding: the last token and up to n - 1
-            guesses; `prefill` serves when n equals prefill_chunk), and build the state to roll
+            guesses; a `full_logits` `prefill` serves when n equals prefill_chunk), and build the state to roll
             back max(prefill_chunk, n) tokens (stored as `rollback_limit` in the metadata).
             None: no verify method; rollback up to prefill_chunk still works.
         full_logits: `prefill` returns every token's logits, [B, C, V], as evaluation
