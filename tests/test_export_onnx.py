@@ -77,7 +77,7 @@ def test_last_token_prefill_and_verify_graphs(tmp_path):
     chunk: the prefill graph returns each row's last live token's logits, [B, 1, V], and
     verification runs the verify graph, not prefill (`check_last_token_prefill`); verify,
     per-row rollback and speculative generation against the eager decoder (`check_verify_step`)."""
-    model = tiny_model()
+    model = tiny_model(num_decoder_layers=1, training_sequence_length=64)  # one layer: half the export
     paths = export_onnx(model, tmp_path / "m.onnx", batch_size=3, prefill_chunk=4, verify_len=4)
     assert sorted(paths) == ["data", "decode", "prefill", "verify"]
     dec = load_onnx(paths["decode"])

@@ -118,7 +118,7 @@ def test_last_token_prefill_and_verify_methods(tmp_path):
     chunk: `prefill` returns each row's last live token's logits, [B, 1, V], and verification
     runs `verify`, not `prefill` (`check_last_token_prefill`); verify, per-row rollback and
     speculative generation against the eager decoder (`check_verify_step`)."""
-    model = tiny_model()
+    model = tiny_model(num_decoder_layers=1, training_sequence_length=64)  # one layer: half the export
     dec = load_pte(export_pte(model, tmp_path / "m.pte", batch_size=3, prefill_chunk=4, verify_len=4))
     assert dec.meta["full_logits"] is False and dec.meta["verify_method"] == "verify"
     check_last_token_prefill(dec, model)
