@@ -220,7 +220,8 @@ class HostDecoder:
     def verify(self, ids: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
         """Feeds n <= `verify_len` tokens per row in one fixed-shape step (n = k + 1: the last
         accepted token and k guesses) and returns their logits; roll the rejected tail back
-        with `rollback`. Without a verify step (`verify_len` None) the tokens run as `prefill`.
+        with `rollback`. Without a verify step (`verify_len` None) the tokens run as `prefill`,
+        which on an export needs `full_logits` (a ValueError otherwise).
 
         Args:
             ids: (B, n) token ids.
