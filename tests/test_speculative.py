@@ -182,3 +182,22 @@ def test_prompt_lookup_replay_counts_the_steps_of_speculative_generate():
         st = bench.steps(prompt, new, 16, setting)
         assert st["accepted"] + st["rounds"] + st["decodes"] == len(new) - 1
         assert st["rounds"] > 0 and st["accepted"] > 0  # the repeats are guessed
+
+
+def test_a_last_token_export_without_a_verify_step_refuses_to_verify(pair):
+    """A decoder whose prefill step returns only the last token's logits (an export without
+    `full_logits`) and that has no verify step cannot verify guesses: `verify` and speculative
+    `generate` raise a ValueError naming `full_logits` before anything runs. (The checks live
+    in `HostDecoder`; this eager decoder is given an export's attributes.)"""
+    model, _, ids, mask = pair
+    dec = StaticDecoder(model, batch_size=2, prefill_chunk=4)
+    dec.prefill(ids[:, :3])
+    before = dec.live_counts
+    dec.full_logits, dec.verify_len = False, None
+    with pytest.raises(ValueError, match="full_logits"):
+        dec.verify(ids[:, 3:6])
+    with pytest.raises(ValueError, match="full_logits"):
+        dec.generate(ids, mask, max_new_tokens=4, speculate=2)
+    assert torch.equal(dec.live_counts, before)
+    assert torch.equal(dec.generate(ids, mask, max_new_tokens=4),  # plain generation still runs
+                       StaticDecoder(model, batch_size=2, prefill_chunk=4).generate(ids, mask, max_new_tokens=4))
