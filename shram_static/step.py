@@ -81,10 +81,11 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
         live: (B, C) bool, which tokens are live.
         ring: R, slots of the local ring (window + Nr - 1); C must be <= R - window + 1.
         inplace: mutate `state` (True) or return new tensors (False).
-        per_token_max: a step of at most this many tokens per row (decode; the verify step of
-            speculative decoding) attends each token's K experts through their gathered caches
-            and does its chunk arithmetic as fused reductions (`reductions.small_bmm`); a longer
-            one (prefill) attends expert by expert (`_attend_by_expert`). The same logits.
+        per_token_max: a step of at most this many tokens per row (decode; the compiled verify
+            step of speculative decoding) attends each token's K experts through their gathered
+            caches and does its chunk arithmetic as fused reductions (`reductions.small_bmm`); a
+            longer one (prefill) attends expert by expert (`_attend_by_expert`). The same logits.
+            Exported programs use 1: their runtimes copy what a gather picks.
         last_only: logits at each row's last live token only, (B, 1, V) (transformers'
             `logits_to_keep=1`): what a prompt's prefill needs, and the lm_head reads its
             weight for one row instead of C (with a 50k-token vocabulary, the head over 32

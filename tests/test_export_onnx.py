@@ -72,14 +72,29 @@ def test_golden_logits_and_greedy(name, tmp_path):
 
 
 @pytest.mark.heavy
+def cache_gathers(path) -> list[str]:
+    """Gather nodes of a graph whose data is a whole sparse cache (a view of a `past.*sparse_*`
+    input, as many elements): each copies its picked caches on every call."""
+    m = onnx.shape_inference.infer_shapes(onnx.load(path, load_external_data=False))
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+              for v in list(m.graph.value_info) + list(m.graph.input)}
+    sizes = {int(np.prod(shapes[i.name])) for i in m.graph.input if ".sparse_" in i.name}
+    return [n.name for n in m.graph.node if n.op_type == "Gather" and len(shapes.get(n.input[0], [])) > 2
+            and int(np.prod(shapes[n.input[0]])) in sizes]
+
+
 def test_last_token_prefill_and_verify_graphs(tmp_path):
     """The default export (`full_logits=False`) with a verify graph as wide as its prefill
     chunk: the prefill graph returns each row's last live token's logits, [B, 1, V], and
     verification runs the verify graph, not prefill (`check_last_token_prefill`); verify,
-    per-row rollback and speculative generation against the eager decoder (`check_verify_step`)."""
+    per-row rollback and speculative generation against the eager decoder (`check_verify_step`).
+    Both attend every expert's cache where it lies: no Gather copies a whole expert cache per
+    query."""
     model = tiny_model(num_decoder_layers=1, training_sequence_length=64)  # one layer: half the export
     paths = export_onnx(model, tmp_path / "m.onnx", batch_size=3, prefill_chunk=4, verify_len=4)
     assert sorted(paths) == ["data", "decode", "prefill", "verify"]
+    for role in ("prefill", "verify"):
+        assert not cache_gathers(paths[role]), role
     dec = load_onnx(paths["decode"])
     assert dec.meta["full_logits"] is False and list(dec._graphs["prefill"].logits.shape) == [3, 1, 259]
     check_last_token_prefill(dec, model)

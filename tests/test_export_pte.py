@@ -117,10 +117,16 @@ def test_last_token_prefill_and_verify_methods(tmp_path):
     """The default export (`full_logits=False`) with a verify method as wide as its prefill
     chunk: `prefill` returns each row's last live token's logits, [B, 1, V], and verification
     runs `verify`, not `prefill` (`check_last_token_prefill`); verify, per-row rollback and
-    speculative generation against the eager decoder (`check_verify_step`)."""
+    speculative generation against the eager decoder (`check_verify_step`). `verify` attends
+    every expert's cache where it lies, as `prefill` does: no cache gathered per query (a
+    portable copy of C*K caches per layer)."""
     model = tiny_model(num_decoder_layers=1, training_sequence_length=64)  # one layer: half the export
-    dec = load_pte(export_pte(model, tmp_path / "m.pte", batch_size=3, prefill_chunk=4, verify_len=4))
+    et = lower_program(model, batch_size=3, prefill_chunk=4, verify_len=4)
+    (tmp_path / "m.pte").write_bytes(et.buffer)
+    dec = load_pte(str(tmp_path / "m.pte"))
     assert dec.meta["full_logits"] is False and dec.meta["verify_method"] == "verify"
+    for method in ("prefill", "verify"):
+        assert "aten::index_select.out" not in program_ops(et, method)["kernels"], method
     check_last_token_prefill(dec, model)
     check_verify_step(dec, model)
 

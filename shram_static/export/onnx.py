@@ -132,9 +132,10 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
     state = StaticState(cfg, batch_size, C, dtype=dtype, rollback_limit=verify_len)
-    # A verify step's few tokens attend per token, as decode does (`step.step`, per_token_max).
-    fn = FunctionalStep(model, state, per_token_max=verify_len or 1).eval()
-    fn_last = FunctionalStep(model, state, per_token_max=verify_len or 1, last_only=True).eval()
+    # Every step of more than one token (verify too) attends expert by expert, as in
+    # `export_pte` (WHY there: onnxruntime's Gather copies the gathered caches as well).
+    fn = FunctionalStep(model, state).eval()
+    fn_last = FunctionalStep(model, state, last_only=True).eval()
     paths = graph_paths(path, verify=True)
     os.makedirs(os.path.dirname(os.path.abspath(paths["decode"])), exist_ok=True)
     export_id = uuid.uuid4().hex  # ties the files of one export together

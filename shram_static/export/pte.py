@@ -178,8 +178,12 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     B, C = batch_size, 1 if prefill_chunk is None else prefill_chunk
     # The rollback limit (what HostDecoder.rollback allows) covers a verify step's guesses.
     state = StaticState(cfg, B, C, dtype=dtype, rollback_limit=verify_len)
-    # A verify step's few tokens attend per token, as decode does (`step.step`, per_token_max).
-    step = StepModule(model, state, per_token_max=verify_len or 1).eval()
+    # Every step of more than one token (verify too) attends expert by expert (`step.step`,
+    # per_token_max=1). WHY: gathering each token's K expert caches is a copy in the runtime
+    # (a portable index_select; Inductor reads the rows in place, so compiled verify steps keep
+    # it), and C*K gathered caches outweigh the L read in place: verify/decode 1.43 against 1.81
+    # on the bench model (docs/performance.md, "Speculative decoding").
+    step = StepModule(model, state).eval()
     i64 = dict(dtype=torch.long)
     decode_name = "forward" if B == 1 else "decode"
     if B == 1:
