@@ -83,7 +83,8 @@ class StaticDecoder(HostDecoder):
         self.state = StaticState(model.config, batch_size, prefill_chunk, dtype=p.dtype, device=p.device,
                                  rollback_limit=max(rollback_limit or 0, verify_len or 0))
         self.rollback_limit, self.verify_len = self.state.rollback_limit, verify_len
-        # The verify step (a few tokens per row) attends per token, as the decode step does.
+        # The verify step (a few tokens per row) attends per token, as the decode step does:
+        # Inductor reads the gathered caches in place (exports, where a gather is a copy, do not).
         few = verify_len or 1
         self.module = StepModule(self.model, self.state, per_token_max=few)
         self.decode_module = self.module
