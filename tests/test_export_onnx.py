@@ -71,7 +71,6 @@ def test_golden_logits_and_greedy(name, tmp_path):
         load_onnx(paths["decode"])
 
 
-@pytest.mark.heavy
 def cache_gathers(path) -> list[str]:
     """Gather nodes of a graph whose data is a whole sparse cache (a view of a `past.*sparse_*`
     input, as many elements): each copies its picked caches on every call."""
@@ -83,6 +82,7 @@ def cache_gathers(path) -> list[str]:
             and int(np.prod(shapes[n.input[0]])) in sizes]
 
 
+@pytest.mark.heavy
 def test_last_token_prefill_and_verify_graphs(tmp_path):
     """The default export (`full_logits=False`) with a verify graph as wide as its prefill
     chunk: the prefill graph returns each row's last live token's logits, [B, 1, V], and
