@@ -11,6 +11,7 @@ from .fast_layers import FEW_ROWS, RowLinear, row_linear_, shared_copy  # noqa: 
 from .host import HostDecoder
 from .kernel_builds import run_batched
 from .state import StaticState
+from .validation import check_verify_len
 from .step import StepModule
 
 
@@ -74,9 +75,7 @@ class StaticDecoder(HostDecoder):
                  eos_token_id: int | None = None, skip_guards: bool = True, verify_len: int | None = 5,
                  rollback_limit: int | None = None):
         super().__init__(model.config, batch_size, prefill_chunk, eos_token_id)
-        if verify_len is not None and (isinstance(verify_len, bool) or not isinstance(verify_len, int)
-                                       or verify_len < 2):
-            raise ValueError(f"verify_len must be an int >= 2 or None, got {verify_len!r}")
+        check_verify_len(verify_len)
         p = next(model.parameters())
         self.device = p.device
         self.model = shared_copy(model).eval()

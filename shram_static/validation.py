@@ -11,6 +11,12 @@ from .errors import CapacityError
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
 
+def check_verify_len(verify_len) -> None:
+    """Raises ValueError unless verify_len (tokens per row of a verify step) is an int >= 2 or None."""
+    if verify_len is not None and (isinstance(verify_len, bool) or not isinstance(verify_len, int) or verify_len < 2):
+        raise ValueError(f"verify_len must be an int >= 2 or None, got {verify_len!r}")
+
+
 def check_input_ids(input_ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
     """Raises TypeError/ValueError unless input_ids is an integer tensor with ids in [0, V)."""
     if not isinstance(input_ids, torch.Tensor):

@@ -433,6 +433,13 @@ def test_export_argument_errors(tmp_path):
         export_pte(model, tmp_path / "x.pte", parallel=1)
     with pytest.raises(TypeError, match="parallel must be a bool"):
         export_onnx(model, tmp_path / "x.onnx", parallel="yes")
+    for bad in (1, True, 2.0, "5"):
+        with pytest.raises(ValueError, match="verify_len must be an int >= 2 or None"):
+            export_pte(model, tmp_path / "x.pte", verify_len=bad)
+        with pytest.raises(ValueError, match="verify_len must be an int >= 2 or None"):
+            export_onnx(model, tmp_path / "x.onnx", verify_len=bad)
+        with pytest.raises(ValueError, match="verify_len must be an int >= 2 or None"):
+            StaticDecoder(model, verify_len=bad)
     assert not os.listdir(tmp_path)
 
 

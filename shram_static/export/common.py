@@ -9,6 +9,7 @@ from torch import nn
 
 from ..config import ShramConfig
 from ..fast_layers import fuse_experts_
+from ..validation import check_verify_len
 
 PTE_FORMAT = "shram_static.pte/1"
 # file_identifier of the ExecuTorch flatbuffer (bytes 4..8 of every .pte written by 1.x).
@@ -16,8 +17,10 @@ PTE_MAGIC = b"ET12"
 ONNX_FORMAT = "shram_static.onnx/1"
 
 
-def check_export_args(cfg: ShramConfig, batch_size, prefill_chunk, eos_token_id, bos_token_id=None) -> None:
-    """Raises ValueError on export arguments that cannot make a program (shared by .pte/.onnx)."""
+def check_export_args(cfg: ShramConfig, batch_size, prefill_chunk, eos_token_id, bos_token_id=None, *,
+                      parallel=False, full_logits=False, verify_len=None) -> None:
+    """Raises TypeError/ValueError on export arguments that cannot make a program (shared by
+    .pte/.onnx), before anything is traced."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
@@ -25,6 +28,10 @@ def check_export_args(cfg: ShramConfig, batch_size, prefill_chunk, eos_token_id,
     for name, tid in (("eos_token_id", eos_token_id), ("bos_token_id", bos_token_id)):
         if tid is not None and not 0 <= int(tid) < cfg.vocab_size:
             raise ValueError(f"{name} {tid} is outside the vocabulary [0, {cfg.vocab_size})")
+    for name, flag in (("parallel", parallel), ("full_logits", full_logits)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    check_verify_len(verify_len)
 
 
 def export_copy(model: nn.Module) -> nn.Module:

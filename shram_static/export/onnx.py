@@ -121,14 +121,9 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
     import onnx
 
     cfg: ShramConfig = model.config
-    if not isinstance(parallel, bool):
-        raise TypeError(f"parallel must be a bool, got {parallel!r}")
-    if not isinstance(full_logits, bool):
-        raise TypeError(f"full_logits must be a bool, got {full_logits!r}")
-    if verify_len is not None and (isinstance(verify_len, bool) or not isinstance(verify_len, int) or verify_len < 2):
-        raise ValueError(f"verify_len must be an int >= 2 or None, got {verify_len!r}")
     C = 1 if prefill_chunk is None else prefill_chunk
-    check_export_args(cfg, batch_size, C, eos_token_id)
+    check_export_args(cfg, batch_size, C, eos_token_id, parallel=parallel, full_logits=full_logits,
+                      verify_len=verify_len)
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
     state = StaticState(cfg, batch_size, C, dtype=dtype, rollback_limit=verify_len)

@@ -161,16 +161,10 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         raise TypeError(f"quantize_embedding must be a bool, got {quantize_embedding!r}")
     if quantize_embedding and quantize is None:
         raise ValueError("quantize_embedding applies with quantize='int8' or '8da4w'")
-    if not isinstance(parallel, bool):
-        raise TypeError(f"parallel must be a bool, got {parallel!r}")
-    if not isinstance(full_logits, bool):
-        raise TypeError(f"full_logits must be a bool, got {full_logits!r}")
-    if verify_len is not None and (isinstance(verify_len, bool) or not isinstance(verify_len, int) or verify_len < 2):
-        raise ValueError(f"verify_len must be an int >= 2 or None, got {verify_len!r}")
     eos_token_id = getattr(cfg, "eos_token_id", None) if eos_token_id is None else eos_token_id
     bos_token_id = getattr(cfg, "bos_token_id", None) if bos_token_id is None else bos_token_id
     check_export_args(cfg, batch_size, 1 if prefill_chunk is None else prefill_chunk, eos_token_id,
-                      bos_token_id)
+                      bos_token_id, parallel=parallel, full_logits=full_logits, verify_len=verify_len)
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
     if quantize is not None:
