@@ -8,7 +8,7 @@ at each position. It prints, per prompt and setting, the verify and decode steps
 speedup over plain decoding they give at a verify step of `--verify-cost` decode steps
 (measured by `shram-static bench-speculative`; docs/performance.md, "Speculative decoding").
 
-    python benchmarks/prompt_lookup.py [--model builtin|DIR] [--tokens 400] [--verify-cost 1.55]
+    python benchmarks/prompt_lookup.py [--model builtin|DIR] [--tokens 400] [--verify-cost 1.55] [--speculate 4]
 """
 
 import argparse
@@ -63,12 +63,13 @@ class Scripted:
         self.n -= int(n.sum())
 
 
-def steps(prompt: list[int], new: list[int], vocab: int, setting) -> dict:
-    """speculative_generate's stats replaying `new` after `prompt` with a lookup setting."""
+def steps(prompt: list[int], new: list[int], vocab: int, setting, k: int = 4) -> dict:
+    """speculative_generate's stats replaying `new` after `prompt` with a lookup setting and at
+    most k guesses per verify step (of k + 1 tokens)."""
     from transformers import LogitsProcessorList
 
     from shram_static import speculative
-    dec = Scripted(prompt + new, vocab)
+    dec = Scripted(prompt + new, vocab, verify_len=k + 1)
     ids = torch.tensor([prompt])
     st = {}
     patches = []
@@ -80,7 +81,7 @@ def steps(prompt: list[int], new: list[int], vocab: int, setting) -> dict:
         p.start()
     try:
         out = speculative.speculative_generate(dec, ids, torch.ones_like(ids, dtype=torch.bool), len(new), False,
-                                               LogitsProcessorList(), None, None, 0, None, 4, stats=st)
+                                               LogitsProcessorList(), None, None, 0, None, k, stats=st)
     finally:
         for p in patches:
             p.stop()
@@ -93,6 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="builtin")
     ap.add_argument("--tokens", type=int, default=400)
     ap.add_argument("--verify-cost", type=float, default=1.55, help="a verify step's cost in decode steps")
+    ap.add_argument("--speculate", type=int, default=4, help="k, the most guesses per verify step")
     args = ap.parse_args(argv)
     from shram_static import StaticDecoder
     from shram_static.bench import build_model
@@ -115,7 +117,7 @@ def main(argv=None) -> int:
         print(label)
         logs = []
         for name, (p, g) in runs.items():
-            st = steps(p, g, model.config.vocab_size, setting)
+            st = steps(p, g, model.config.vocab_size, setting, args.speculate)
             x = (len(g) - 1) / (st["decodes"] + args.verify_cost * st["rounds"])
             logs.append(math.log(x))
             print(f"  {name:32s} verify {st['rounds']:3d}  decode {st['decodes']:3d}  -> {x:.2f}x plain")
