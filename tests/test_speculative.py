@@ -182,6 +182,10 @@ def test_prompt_lookup_replay_counts_the_steps_of_speculative_generate():
         st = bench.steps(prompt, new, 16, setting)
         assert st["accepted"] + st["rounds"] + st["decodes"] == len(new) - 1
         assert st["rounds"] > 0 and st["accepted"] > 0  # the repeats are guessed
+    for k in (1, 2, 6):  # `--speculate K`: verify steps of K + 1 tokens, at most K guesses each
+        st = bench.steps(prompt, new, 16, None, k)
+        assert st["accepted"] + st["rounds"] + st["decodes"] == len(new) - 1
+        assert max(st["k"]) == k and st["accepted"] <= k * st["rounds"]
 
 
 def test_a_last_token_export_without_a_verify_step_refuses_to_verify(pair):
