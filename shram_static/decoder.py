@@ -11,8 +11,8 @@ from .fast_layers import FEW_ROWS, RowLinear, row_linear_, shared_copy  # noqa: 
 from .host import HostDecoder
 from .kernel_builds import run_batched
 from .state import StaticState
-from .validation import check_verify_len
 from .step import StepModule
+from .validation import check_verify_len
 
 
 # Inductor option for a compiled decode step of 2..FEW_ROWS rows: store a value read by several
