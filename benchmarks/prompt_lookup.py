@@ -90,11 +90,13 @@ def steps(prompt: list[int], new: list[int], vocab: int, setting, k: int = 4) ->
 
 
 def main(argv=None) -> int:
+    from shram_static.arguments import positive_int
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin")
-    ap.add_argument("--tokens", type=int, default=400)
+    ap.add_argument("--tokens", type=positive_int, default=400)
     ap.add_argument("--verify-cost", type=float, default=1.55, help="a verify step's cost in decode steps")
-    ap.add_argument("--speculate", type=int, default=4, help="k, the most guesses per verify step")
+    ap.add_argument("--speculate", type=positive_int, default=4, help="k, the most guesses per verify step")
     args = ap.parse_args(argv)
     from shram_static import StaticDecoder
     from shram_static.bench import build_model
