@@ -42,8 +42,10 @@ class StaticDecoder(HostDecoder):
         compile: wrap both steps in `torch.compile(fullgraph=True, dynamic=False)`; each
             compiles once, on first use. With batch_size <= FEW_ROWS on CPU the compiled decode step
             runs its projections as `RowLinear` on the decoder's own `shared_copy` of the model
-            (same weight tensors); the model passed in is never modified. On CPU, Inductor's
-            check of the machine's vector ISA starts at once, in the background (`cpu_isa.py`).
+            (same weight tensors, and its own copy of each projection's weight in a packed
+            layout, packed again before a step if the weight has changed); the model passed
+            in is never modified. On CPU, Inductor's check of the machine's vector ISA starts
+            at once, in the background (`cpu_isa.py`).
         eos_token_id: id that ends a row in `generate`.
         skip_guards: compile only. Once a step has run with Dynamo's guards checked, later
             calls skip them (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`) for as
@@ -92,6 +94,11 @@ class StaticDecoder(HostDecoder):
             self.decode_module = StepModule(row_linear_(shared_copy(self.model)), self.state, per_token_max=few)
             if batch_size > 1:
                 decode_options = {**NO_SIZE_ASSERTS, **ROW_INPUTS_STORED}
+        # the RowLinears, whose packed weights are packed again before a step once a weight has
+        # changed (its version counter: written in place; its data pointer: replaced)
+        self._row_linears = [m for m in self.decode_module.modules() if isinstance(m, RowLinear)]
+        self._row_weights = [m.weight for m in self._row_linears]
+        self._row_stamps = _stamps(self._row_weights)
         self.compiled = compile
         self.skip_guards = skip_guards and enabled("skip_guards")
         self._tensors: dict[str, list[torch.Tensor]] = {}  # step -> every weight and state tensor
@@ -147,6 +154,14 @@ class StaticDecoder(HostDecoder):
         args = tokens.to(d), input_pos.to(d), live.to(d)
         if not self.compiled:
             return fn(*args)
+        if key in ("decode", "verify") and self._row_weights:
+            stamps = _stamps(self._row_weights)
+            if stamps != self._row_stamps:
+                for m, now, then in zip(self._row_linears, stamps, self._row_stamps):
+                    if now != then:
+                        m.repack()
+                self._row_stamps = stamps
+                self._tensors.clear()  # a packed weight may be a new tensor: list them again
         if not self.skip_guards:
             return run_batched(fn, *args)
         if key not in self._tensors:  # walking the module tree per call costs more than the guards
@@ -170,6 +185,12 @@ class StaticDecoder(HostDecoder):
         self._checked[key] = ptrs
         return out
 
+
+
+def _stamps(weights: list) -> list:
+    """Each weight's version counter and data pointer (one list: cheaper per step than a call
+    per module)."""
+    return [(w._version, w.data_ptr()) for w in weights]
 
 
 def _guards_skipped():

@@ -4,7 +4,7 @@ Each swap is a source transformation on a copy of the model (as in ExecuTorch's 
 the model a caller hands in is never changed.
 
 * `row_linear_` (the compiled decode step on CPU, up to FEW_ROWS rows): every bias-free
-  `nn.Linear` becomes a `RowLinear` over the same weight, and every `Router` computes its logits
+  `nn.Linear` becomes a `RowLinear` over the same weight (and a packed copy of it), and every `Router` computes its logits
   and top-k in forms Inductor fuses (`Router.fused`), on a `shared_copy`.
 * `fuse_experts_` (the exported steps, and quantization): every `BEA` becomes a `FusedExperts`,
   every expert as one linear layer each way, on a copy that owns its weights.
@@ -19,6 +19,7 @@ from torch import nn
 from .layers import MoSRAH, Router
 
 FEW_ROWS = 8  # compiled decode batches up to this size run their projections as RowLinear
+LANES = 16  # outputs per block of RowLinear's packed weight
 
 
 def shared_copy(model: nn.Module) -> nn.Module:
@@ -32,32 +33,65 @@ def shared_copy(model: nn.Module) -> nn.Module:
 
 
 class RowLinear(nn.Module):
-    """`nn.Linear` (no bias) for the compiled decode step on CPU.
+    """`nn.Linear` (no bias) for the compiled decode and verify steps on CPU.
 
-    Up to FEW_ROWS rows: per row, an elementwise product reduced over the input width
-    (accumulated in fp32). Inductor fuses the n reductions into one pass over the row-major
-    `weight` with n accumulators, at near the machine's read bandwidth. WHY: a decode step is
-    GEMVs, and MKL's GEMV reads the weight well below that bandwidth; at a few rows MKL's sgemm
-    re-reads W per row (docs/performance.md, "Compiled"). More rows (prefill) go to F.linear.
+    Up to FEW_ROWS rows it reads its own copy of the weight, packed in blocks of LANES outputs
+    (`pack_rows`): per row, a broadcast product with the packed weight summed over the input
+    width (accumulated in fp32). Inductor vectorizes each block's LANES outputs and runs the n
+    rows' sums in one loop over the input width, one vector accumulator per row: a single
+    contiguous pass over the weight with n multiply-adds per weight read and no horizontal
+    reduction. WHY: a decode step is GEMVs, and MKL's GEMV reads the weight well below the
+    machine's read bandwidth; at a few rows MKL's sgemm re-reads W per row, and per-row dot
+    products over the row-major weight (one horizontal reduction per output and row) cost 1.4x
+    a row's time at 4-5 rows (docs/performance.md, "Compiled"). More rows (prefill) go to
+    F.linear on the shared weight.
+
+    The packed copy does not follow the weight by itself: `repack()` after the weight changed
+    (`StaticDecoder` checks before each step).
 
     Args:
-        weight: (out, in), shared with the module it replaces (never copied).
+        weight: (out, in), shared with the module it replaces (never changed).
     """
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = weight
+        self.register_buffer("packed", pack_rows(weight), persistent=False)
+
+    def repack(self) -> None:
+        """Packs the weight again: into the same buffer where its dtype and shape allow (a
+        compiled step keeps reading it), else as a new buffer."""
+        packed = pack_rows(self.weight)
+        if (packed.dtype, packed.shape, packed.device) == (self.packed.dtype, self.packed.shape, self.packed.device):
+            with torch.no_grad():
+                self.packed.copy_(packed)
+        else:
+            self.packed = packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) -> (..., out) in x's dtype."""
         w = self.weight
         n = x.numel() // x.shape[-1]  # rows
-        if n > FEW_ROWS or not w.is_contiguous():
+        if n > FEW_ROWS:
             return F.linear(x, w)
-        xs = x.reshape(n, -1).float()  # (n, in)
-        wf = w.float()
-        y = torch.stack([(xs[r] * wf).sum(-1) for r in range(n)])  # (n, out)
+        wp = self.packed.float()  # (nb, in, LANES)
+        nb, K, v = wp.shape
+        xs = x.reshape(n, K).float()  # (n, in)
+        y = torch.stack([(xs[r].view(1, K, 1) * wp).sum(1) for r in range(n)])  # (n, nb, LANES)
+        y = y.view(n, nb * v)[:, :w.shape[0]]  # (n, out): the last block's padding dropped
         return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])  # (..., out)
+
+
+def pack_rows(weight: torch.Tensor) -> torch.Tensor:
+    """(out, in) -> (ceil(out / LANES), in, LANES), a new contiguous tensor in weight's dtype:
+    block b holds outputs b*LANES.. (zero rows pad the last block), input-major.
+
+    LANES is 16, one AVX-512 vector of fp32 (two AVX2 vectors: two accumulators per row)."""
+    N, K = weight.shape
+    nb = -(-N // LANES)
+    wp = weight.detach().new_zeros(nb * LANES, K)
+    wp[:N] = weight.detach()
+    return wp.view(nb, LANES, K).transpose(1, 2).contiguous()
 
 
 def row_linear_(model: nn.Module) -> nn.Module:

@@ -333,24 +333,78 @@ def test_steps_get_canonical_contiguous_inputs(monkeypatch):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_row_linear_equals_linear(dtype, tol):
-    """The compiled decode's projection, eager and compiled, against a float64 product: one row
-    and four rows (one fused reduction per row); more rows or a non-contiguous weight take F.linear."""
+    """The compiled decode's projection, eager and compiled, against a float64 product: one,
+    four and FEW_ROWS rows over its packed weight (300 outputs: the last block padded), also
+    from a column-major weight; more rows take F.linear on the weight itself."""
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(300, 96, generator=gen).to(dtype)
-    x = torch.randn(1, 1, 96, generator=gen).to(dtype)
-    want = (x.double() @ w.double().t()).float()
-    x4 = torch.randn(4, 1, 96, generator=gen).to(dtype)
-    want4 = (x4.double() @ w.double().t()).float()
-    lin = RowLinear(w)
-    for f in (lin, torch.compile(lin, fullgraph=True, dynamic=False)):
-        for xi, wi in ((x, want), (x4, want4)):
-            got = f(xi)
-            assert got.dtype == dtype and got.shape == (xi.shape[0], 1, 300)
-            torch.testing.assert_close(got.float(), wi, atol=tol, rtol=tol)
+    lin, lin_cm = RowLinear(w), RowLinear(w.t().contiguous().t())  # the second column-major
+    assert lin.packed.shape == (19, 96, 16) and torch.equal(lin.packed, lin_cm.packed)
+    compiled = torch.compile(lin, fullgraph=True, dynamic=False)
+    for rows in (1, 4, FEW_ROWS):
+        x = torch.randn(rows, 1, 96, generator=gen).to(dtype)
+        want = (x.double() @ w.double().t()).float()
+        for f in (lin, lin_cm, compiled):
+            got = f(x)
+            assert got.dtype == dtype and got.shape == (rows, 1, 300)
+            torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     many = torch.randn(FEW_ROWS + 1, 96, generator=gen).to(dtype)
     torch.testing.assert_close(lin(many), torch.nn.functional.linear(many, w), atol=0, rtol=0)
-    wc = w.t().contiguous().t()  # column-major
-    torch.testing.assert_close(RowLinear(wc)(x), torch.nn.functional.linear(x, wc), atol=0, rtol=0)
+
+
+def test_row_linear_repack():
+    """`repack` follows a weight written in place (same buffer, which a compiled step keeps
+    reading) or replaced by another dtype (a new buffer); until then the packed copy is the
+    weight as it was packed."""
+    gen = torch.Generator().manual_seed(6)
+    w = torch.nn.Parameter(torch.randn(40, 24, generator=gen), requires_grad=False)
+    lin = RowLinear(w)
+    buf, x = lin.packed, torch.randn(2, 24, generator=gen)
+    old = x @ w.t()
+    with torch.no_grad():
+        w.mul_(-2)
+    torch.testing.assert_close(lin(x), old, atol=1e-5, rtol=1e-5)  # not followed yet
+    lin.repack()
+    assert lin.packed is buf
+    torch.testing.assert_close(lin(x), x @ w.t(), atol=1e-5, rtol=1e-5)
+    w.data = w.data.double()
+    lin.repack()
+    assert lin.packed.dtype == torch.float64 and lin.packed is not buf
+    torch.testing.assert_close(lin(x.double()), x.double() @ w.t(), atol=1e-5, rtol=1e-5)  # fp32 sums
+
+
+def test_compiled_decoder_follows_weight_changes():
+    """Weights changed after a compiled decoder was built, in place (as `load_state_dict`
+    writes them) or replaced by new tensors (`.data`), are what its next decode and verify
+    steps read (its RowLinears pack them again): the logits equal the uncached forward's of
+    the changed model. A stale packed copy would give the old model's."""
+    model = randomize_(ShramForCausalLM(random_config(7)), 7).eval()
+    dec = StaticDecoder(model, compile=True)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(7))
+
+    def run():
+        dec.reset()
+        out = [dec.prefill(ids[:, :5])[:, -1]]
+        out += [dec.decode(ids[:, t]) for t in range(5, 7)]
+        out += list(dec.verify(ids[:, 7:12]).unbind(1))  # logits after tokens 7..11
+        return torch.stack(out, 1)  # (1, 8, V): after tokens 4..11
+
+    def want():
+        with torch.no_grad():
+            return model(ids).logits[:, 4:]
+
+    torch.testing.assert_close(run(), want(), atol=TOL, rtol=0)
+    before = run()
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        model.load_state_dict({k: v * (1 + 0.5 * torch.rand(v.shape, generator=gen))
+                               for k, v in model.state_dict().items() if k.endswith("proj.weight")}, strict=False)
+    changed = run()
+    assert (changed - before).abs().max() > 100 * TOL  # the change shows in the logits
+    torch.testing.assert_close(changed, want(), atol=TOL, rtol=0)
+    for lin in (m for m in model.modules() if isinstance(m, torch.nn.Linear)):
+        lin.weight.data = -lin.weight.data  # a new tensor each
+    torch.testing.assert_close(run(), want(), atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("L, k", [(4, 2), (16, 4), (8, 1), (6, 6)])
@@ -374,7 +428,8 @@ def test_top_k_as_ranks_is_top_k(L, k):
 def test_decoders_never_alter_the_model(tied):
     """Building decoders (eager, compiled batch 1 and 2 with their RowLinear swap)
     leaves the caller's module tree, weights, layouts and mode as they were; the decoders
-    hold the same weight tensors (no copy); two decoders on one model both stay correct."""
+    hold the same weight tensors (no copy; a RowLinear's packed layout is its own); two
+    decoders on one model both stay correct."""
     model = randomize_(ShramForCausalLM(random_config(4, tie_word_embeddings=tied)), 4)
     model.train()
     before = {k: (v.clone(), v.stride(), v.data_ptr()) for k, v in model.state_dict().items()}
