@@ -4,8 +4,9 @@ Each swap is a source transformation on a copy of the model (as in ExecuTorch's 
 the model a caller hands in is never changed.
 
 * `row_linear_` (the compiled decode step on CPU, up to FEW_ROWS rows): every bias-free
-  `nn.Linear` becomes a `RowLinear` over the same weight (and a packed copy of it), and every `Router` computes its logits
-  and top-k in forms Inductor fuses (`Router.fused`), on a `shared_copy`.
+  `nn.Linear` becomes a `RowLinear` over the same weight (and a packed copy of it), and every
+  `Router` computes its logits and top-k in forms Inductor fuses (`Router.fused`), on a
+  `shared_copy`.
 * `fuse_experts_` (the exported steps, and quantization): every `BEA` becomes a `FusedExperts`,
   every expert as one linear layer each way, on a copy that owns its weights.
 """
@@ -42,9 +43,9 @@ class RowLinear(nn.Module):
     contiguous pass over the weight with n multiply-adds per weight read and no horizontal
     reduction. WHY: a decode step is GEMVs, and MKL's GEMV reads the weight well below the
     machine's read bandwidth; at a few rows MKL's sgemm re-reads W per row, and per-row dot
-    products over the row-major weight (one horizontal reduction per output and row) cost 1.4x
-    a row's time at 4-5 rows (docs/performance.md, "Compiled"). More rows (prefill) go to
-    F.linear on the shared weight.
+    products over the row-major weight (one horizontal reduction per output and row) take
+    1.1-1.4x this layout's time at 1-8 rows (docs/performance.md, "Compiled torch";
+    benchmarks/row_linear.py). More rows (prefill) go to F.linear on the shared weight.
 
     The packed copy does not follow the weight by itself: `repack()` after the weight changed
     (`StaticDecoder` checks before each step).
