@@ -60,6 +60,9 @@ REGISTRY: dict[str, Accelerator] = {a.name: a for a in [
     _acc("batched_kernel_builds", "kernel_builds.batched_builds",
          "torch._inductor.async_compile.AsyncCompile.cpp_pybinding, CppPythonBindingsCodeCache templates",
          torch=TORCH),
+    _acc("persistent_scratch", "scratch.compiled_call (StaticDecoder's compiled steps, compiled generate())",
+         "the Python wrapper code Inductor generates (empty_strided_cpu / reinterpret_tensor lines, "
+         "Runner.call) and torch._inductor.codecache.PyCodeCache.modules", torch=TORCH),
     _acc("skip_guards", "decoder.StaticDecoder(skip_guards=True)",
          "torch._dynamo.eval_frame._stance; Dynamo's error message under skip_guard_eval_unsafe",
          torch=TORCH),

@@ -1,0 +1,73 @@
+"""One backend with accelerators off against on, each in a worker process of its own,
+interleaved.
+
+`SHRAM_STATIC_STOCK` is read per process, and a compiled graph's generated code is shared by
+every decoder of the same graph in a process, so a process-wide accelerator cannot be A/B'd in
+one process (`benchmarks/abba.py`). This starts two `shram-static bench` workers of the same
+model, backend and batch size, one with `SHRAM_STATIC_STOCK=<names>`, loads both, then times
+them in turn at the first and last context, the order reversed every round, and reports the
+medians' ratio (below 1: the accelerated side is faster).
+
+    python benchmarks/stock_ab.py persistent_scratch [--model bench] [--batch-size 4] [--rounds 8]
+"""
+
+import argparse
+import os
+import statistics
+
+from shram_static.bench import Worker
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("stock", help="what SHRAM_STATIC_STOCK is on the stock side: 1 (all) or names")
+    ap.add_argument("--model", default="builtin")
+    ap.add_argument("--backend", default="compiled")
+    ap.add_argument("--batch-size", default="1")
+    ap.add_argument("--steps", default="16", help="decode steps per measurement")
+    ap.add_argument("--rounds", type=int, default=8)
+    args = ap.parse_args(argv)
+
+    opts = ["--model", args.model, "--backend", args.backend, "--batch-size", args.batch_size,
+            "--steps", args.steps]
+    before = os.environ.get("SHRAM_STATIC_STOCK")
+    workers = {}
+    try:
+        for side, env in (("stock", args.stock), ("accelerated", "")):
+            os.environ["SHRAM_STATIC_STOCK"] = env  # the worker inherits it
+            workers[side] = Worker(opts, side)
+    finally:
+        if before is None:
+            os.environ.pop("SHRAM_STATIC_STOCK", None)
+        else:
+            os.environ["SHRAM_STATIC_STOCK"] = before
+    try:
+        for w in workers.values():
+            w.started()
+        for w in workers.values():
+            w.load()
+        ctx = workers["stock"].contexts
+        ctx = [ctx[0], ctx[-1]]
+        got = {(s, c): [] for s in workers for c in ctx}
+        for r in range(args.rounds):
+            for c in ctx:
+                for side in (list(workers) if r % 2 == 0 else list(workers)[::-1]):
+                    m = workers[side].measure(c)
+                    got[side, c].append((statistics.median(m["decode_s"]) * 1e3, m["prefill_s"]))
+        for c in ctx:
+            dec = {s: statistics.median(x[0] for x in got[s, c]) for s in workers}
+            pre = {s: statistics.median(x[1] for x in got[s, c]) for s in workers}
+            print(f"{args.model} {args.backend} B={args.batch_size} context {c}: decode step "
+                  f"{dec['accelerated']:.3f} ms accelerated, {dec['stock']:.3f} ms stock "
+                  f"({dec['accelerated'] / dec['stock']:.3f}x); prefill "
+                  f"{pre['accelerated'] / pre['stock']:.3f}x")
+        for w in workers.values():
+            w.finish()
+    finally:
+        for w in workers.values():
+            w.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
