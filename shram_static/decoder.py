@@ -9,7 +9,6 @@ from .cpu_isa import start_isa_checks
 # RowLinear: also importable from here, where the decoder that uses it lives
 from .fast_layers import FEW_ROWS, RowLinear, row_linear_, shared_copy  # noqa: F401
 from .host import HostDecoder
-from .kernel_builds import run_batched
 from .scratch import compiled_call
 from .state import StaticState
 from .step import StepModule
@@ -164,13 +163,13 @@ class StaticDecoder(HostDecoder):
                 self._row_stamps = stamps
                 self._tensors.clear()  # a packed weight may be a new tensor: list them again
         if not self.skip_guards:
-            return compiled_call(run_batched, fn, *args)
+            return compiled_call(fn, *args)
         if key not in self._tensors:  # walking the module tree per call costs more than the guards
             mod = self.module if key.startswith("prefill") else self.decode_module
             self._tensors[key] = [*mod.parameters(), *mod.buffers()]
         ptrs = [t.data_ptr() for t in self._tensors[key]]  # cheap: one pointer per tensor
         if self._checked.get(key) != ptrs:  # first call, or a tensor was replaced: check guards
-            out = compiled_call(run_batched, fn, *args)
+            out = compiled_call(fn, *args)
             self._checked[key] = ptrs
             return out
         with _guards_skipped():
@@ -182,7 +181,7 @@ class StaticDecoder(HostDecoder):
                 # so nothing changed, and a call with the guards checked compiles the step again.
                 if "skip_guard_eval_unsafe" not in str(e):
                     raise
-        out = compiled_call(run_batched, fn, *args)
+        out = compiled_call(fn, *args)
         self._checked[key] = ptrs
         return out
 

@@ -26,6 +26,7 @@ import logging
 import threading
 
 from .accelerators import enabled
+from .kernel_builds import run_batched
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +36,10 @@ _LOCK = "_shram_scratch_lock"
 
 
 def compiled_call(fn, *args, **kwargs):
-    """`fn(*args, **kwargs)` for a call of a compiled step that may compile: every Inductor wrapper
-    module loaded during the call gets its scratch hoisted (`hoist_scratch`), where the
-    accelerator `persistent_scratch` is on.
+    """`fn(*args, **kwargs)` for a call of a compiled step that may compile (a first call, or
+    one with its guards checked): its kernels built in batches (`kernel_builds.run_batched`),
+    and every Inductor wrapper module loaded during the call with its scratch hoisted
+    (`hoist_scratch`) where the accelerator `persistent_scratch` is on.
 
     Args:
         fn: the compiled step.
@@ -47,11 +49,11 @@ def compiled_call(fn, *args, **kwargs):
         What `fn` returns.
     """
     if not enabled("persistent_scratch"):
-        return fn(*args, **kwargs)
+        return run_batched(fn, *args, **kwargs)
     from torch._inductor.codecache import PyCodeCache
     n = len(PyCodeCache.modules)
     try:
-        return fn(*args, **kwargs)
+        return run_batched(fn, *args, **kwargs)
     finally:
         for mod in PyCodeCache.modules[n:]:
             hoist_scratch(mod)
