@@ -7,7 +7,7 @@ import torch
 from .accelerators import enabled
 from .cpu_isa import start_isa_checks
 # RowLinear: also importable from here, where the decoder that uses it lives
-from .fast_layers import FEW_ROWS, RowLinear, row_linear_, shared_copy  # noqa: F401
+from .fast_layers import FEW_ROWS, RowExperts, RowLinear, row_linear_, shared_copy  # noqa: F401
 from .host import HostDecoder
 from .scratch import compiled_call
 from .state import StaticState
@@ -41,10 +41,11 @@ class StaticDecoder(HostDecoder):
         prefill_chunk: C tokens per prefill step (prompts are split into C-token chunks).
         compile: wrap both steps in `torch.compile(fullgraph=True, dynamic=False)`; each
             compiles once, on first use. With batch_size <= FEW_ROWS on CPU the compiled decode step
-            runs its projections as `RowLinear` on the decoder's own `shared_copy` of the model
-            (same weight tensors, and its own copy of each projection's weight in a packed
-            layout, packed again before a step if the weight has changed); the model passed
-            in is never modified. On CPU, Inductor's check of the machine's vector ISA starts
+            runs its projections as `RowLinear` and its experts as `RowExperts` on the decoder's
+            own `shared_copy` of the model (same weight tensors, and its own copy of each
+            projection's weight in a packed layout and of the experts' q, k and v side by side,
+            made again before a step if a weight has changed); the model passed in is never
+            modified. On CPU, Inductor's check of the machine's vector ISA starts
             at once, in the background (`cpu_isa.py`).
         eos_token_id: id that ends a row in `generate`.
         skip_guards: compile only. Once a step has run with Dynamo's guards checked, later
@@ -94,10 +95,12 @@ class StaticDecoder(HostDecoder):
             self.decode_module = StepModule(row_linear_(shared_copy(self.model)), self.state, per_token_max=few)
             if batch_size > 1:
                 decode_options = {**NO_SIZE_ASSERTS, **ROW_INPUTS_STORED}
-        # the RowLinears, whose packed weights are packed again before a step once a weight has
-        # changed (its version counter: written in place; its data pointer: replaced)
-        self._row_linears = [m for m in self.decode_module.modules() if isinstance(m, RowLinear)]
-        self._row_weights = [m.weight for m in self._row_linears]
+        # the RowLinears and RowExperts, whose own copies are packed again before a step once a
+        # weight they are made of has changed (its version counter: written in place; its data
+        # pointer: replaced)
+        self._packers = [m for m in self.decode_module.modules() if isinstance(m, (RowLinear, RowExperts))]
+        self._row_weights = [w for m in self._packers for w in m.sources]
+        self._row_owner = [m for m in self._packers for _ in m.sources]
         self._row_stamps = _stamps(self._row_weights)
         self.compiled = compile
         self.skip_guards = skip_guards and enabled("skip_guards")
@@ -157,9 +160,8 @@ class StaticDecoder(HostDecoder):
         if key in ("decode", "verify") and self._row_weights:
             stamps = _stamps(self._row_weights)
             if stamps != self._row_stamps:
-                for m, now, then in zip(self._row_linears, stamps, self._row_stamps):
-                    if now != then:
-                        m.repack()
+                for m in {m for m, now, then in zip(self._row_owner, stamps, self._row_stamps) if now != then}:
+                    m.repack()
                 self._row_stamps = stamps
                 self._tensors.clear()  # a packed weight may be a new tensor: list them again
         if not self.skip_guards:

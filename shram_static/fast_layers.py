@@ -4,7 +4,8 @@ Each swap is a source transformation on a copy of the model (as in ExecuTorch's 
 the model a caller hands in is never changed.
 
 * `row_linear_` (the compiled decode step on CPU, up to FEW_ROWS rows): every bias-free
-  `nn.Linear` becomes a `RowLinear` over the same weight (and a packed copy of it), and every
+  `nn.Linear` becomes a `RowLinear` over the same weight (and a packed copy of it), every `BEA`
+  a `RowExperts` (its q, k and v experts side by side in a copy of their own), and every
   `Router` computes its logits and top-k in forms Inductor fuses (`Router.fused`), on a
   `shared_copy`.
 * `fuse_experts_` (the exported steps, and quantization): every `BEA` becomes a `FusedExperts`,
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import MoSRAH, Router
+from .layers import BEA, MoSRAH, Router, gather_experts
 
 FEW_ROWS = 8  # compiled decode batches up to this size run their projections as RowLinear
 LANES = 16  # outputs per block of RowLinear's packed weight
@@ -59,15 +60,15 @@ class RowLinear(nn.Module):
         self.weight = weight
         self.register_buffer("packed", pack_rows(weight), persistent=False)
 
+    @property
+    def sources(self) -> list[torch.Tensor]:
+        """The weight the packed copy is made of."""
+        return [self.weight]
+
     def repack(self) -> None:
         """Packs the weight again: into the same buffer where its dtype and shape allow (a
         compiled step keeps reading it), else as a new buffer."""
-        packed = pack_rows(self.weight)
-        if (packed.dtype, packed.shape, packed.device) == (self.packed.dtype, self.packed.shape, self.packed.device):
-            with torch.no_grad():
-                self.packed.copy_(packed)
-        else:
-            self.packed = packed
+        _refill(self, "packed", pack_rows(self.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) -> (..., out) in x's dtype."""
@@ -95,13 +96,70 @@ def pack_rows(weight: torch.Tensor) -> torch.Tensor:
     return wp.view(nb, LANES, K).transpose(1, 2).contiguous()
 
 
+class RowExperts(BEA):
+    """`BEA` for the compiled decode and verify steps on CPU: the same expert weights (shared),
+    and its own copy of q, k and v side by side, (L, d, 3u), that `project` reads.
+
+    `project` gathers each token's K experts' (d, 3u) blocks and sums h times them over d,
+    accumulated in fp32: Inductor then runs each block's 3u outputs as vectors over contiguous
+    weights. WHY: `BEA.project`'s einsum becomes a batched matmul over K*u columns, and Inductor
+    loads each vector of it lane by lane (an index divided and taken modulo u per lane); the
+    verify step of the built-in model spent about a fifth of its kernel time there
+    (benchmarks/kernel_loops.py --step verify). Everything else is `BEA`'s.
+
+    The copy does not follow the weights by itself: `repack()` after one changed
+    (`StaticDecoder` checks before each step).
+
+    Args:
+        bea: the `BEA` whose weights it shares (not changed).
+    """
+
+    def __init__(self, bea: BEA):
+        nn.Module.__init__(self)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = bea.q_proj, bea.k_proj, bea.v_proj, bea.o_proj
+        self.register_buffer("qkv", self._pack(), persistent=False)
+
+    @property
+    def sources(self) -> list[torch.Tensor]:
+        """The weights the packed copy is made of."""
+        return [self.q_proj, self.k_proj, self.v_proj]
+
+    def _pack(self) -> torch.Tensor:
+        return torch.cat([w.detach() for w in self.sources], dim=-1).contiguous()  # (L, d, 3u)
+
+    def repack(self) -> None:
+        """Copies the weights again: into the same buffer where dtype and shape allow."""
+        _refill(self, "qkv", self._pack())
+
+    def project(self, h: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """See `BEA.project`."""
+        u = self.q_proj.shape[-1]
+        w = gather_experts(self.qkv, idx).float()  # (B, C, K, d, 3u)
+        y = (h.float()[:, :, None, :, None] * w).sum(-2).to(h.dtype)  # (B, C, K, 3u)
+        return y[..., :u], y[..., u:2 * u], y[..., 2 * u:]
+
+
+def _refill(module: nn.Module, name: str, new: torch.Tensor) -> None:
+    """Puts `new` in `module`'s buffer `name`: copied into the old buffer where dtype, shape and
+    device allow (a compiled step keeps reading that one), else as a new buffer."""
+    old = getattr(module, name)
+    if (new.dtype, new.shape, new.device) == (old.dtype, old.shape, old.device):
+        with torch.no_grad():
+            old.copy_(new)
+    else:
+        setattr(module, name, new)
+
+
 def row_linear_(model: nn.Module) -> nn.Module:
     """Replaces every bias-free nn.Linear of `model` (and a tied lm_head) by a `RowLinear` over
-    the same weight, and marks every `Router` `fused` (its logits as row reductions too, its
-    top-k as ranks), in place; returns `model`. Use on a `shared_copy`."""
+    the same weight and every `BEA` by a `RowExperts`, and marks every `Router` `fused` (its
+    logits as row reductions too, its top-k as ranks), in place; returns `model`. Use on a
+    `shared_copy`."""
     for m in model.modules():
         if isinstance(m, Router):
             m.fused = True  # an instance attribute of the copy's router: the model's stays False
+        if isinstance(m, MoSRAH) and type(m.bea) is BEA:
+            m.bea = RowExperts(m.bea)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.bias is None:

@@ -7,8 +7,8 @@ import torch
 
 from helpers import GOLDEN_CASES, golden_case, random_config, randomize_
 from shram_static import CapacityError, ShramForCausalLM, StaticDecoder, state_bytes
-from shram_static.decoder import FEW_ROWS, RowLinear
-from shram_static.layers import Router
+from shram_static.decoder import FEW_ROWS, RowExperts, RowLinear
+from shram_static.layers import BEA, Router
 from shram_static.routing import top_k
 
 TOL = 1e-3
@@ -373,11 +373,49 @@ def test_row_linear_repack():
     torch.testing.assert_close(lin(x.double()), x.double() @ w.t(), atol=1e-5, rtol=1e-5)  # fp32 sums
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_row_experts_project_equals_experts(dtype, tol):
+    """The compiled decode step's expert projections, eager and compiled, against a float64
+    product of each token's selected experts' own weights: one and five tokens, repeated and
+    distinct experts; `repack` follows a weight written in place."""
+    gen = torch.Generator().manual_seed(9)
+    cfg = random_config(9)
+    L, d, u, K = cfg.num_mosrah_heads, cfg.embedding_width, cfg.head_dim, cfg.num_selected_heads
+    bea = BEA(cfg).requires_grad_(False)
+    for w in (bea.q_proj, bea.k_proj, bea.v_proj, bea.o_proj):
+        w.copy_(torch.randn(w.shape, generator=gen))
+    bea = bea.to(dtype)
+    row = RowExperts(bea)
+    compiled = torch.compile(row.project, fullgraph=True, dynamic=False)
+
+    def want(h, idx):
+        return [torch.einsum("bcd,bckdu->bcku", h.double(), w.double()[idx]).float()
+                for w in (bea.q_proj, bea.k_proj, bea.v_proj)]
+
+    for C in (1, 5):
+        h = torch.randn(2, C, d, generator=gen).to(dtype)
+        idx = torch.randint(0, L, (2, C, K), generator=gen)
+        idx[0, 0] = idx[0, 0, 0]  # one token with one expert K times
+        for f in (row.project, compiled):
+            got = f(h, idx)
+            for g, w in zip(got, want(h, idx)):
+                assert g.dtype == dtype and g.shape == (2, C, K, u)
+                torch.testing.assert_close(g.float(), w, atol=tol * d ** 0.5, rtol=tol)
+    buf = row.qkv
+    with torch.no_grad():
+        bea.v_proj.mul_(-2)
+    row.repack()
+    assert row.qkv is buf
+    for g, w in zip(row.project(h, idx), want(h, idx)):
+        torch.testing.assert_close(g.float(), w, atol=tol * d ** 0.5, rtol=tol)
+
+
 def test_compiled_decoder_follows_weight_changes():
     """Weights changed after a compiled decoder was built, in place (as `load_state_dict`
     writes them) or replaced by new tensors (`.data`), are what its next decode and verify
-    steps read (its RowLinears pack them again): the logits equal the uncached forward's of
-    the changed model. A stale packed copy would give the old model's."""
+    steps read (its RowLinears and RowExperts pack them again): the logits equal the uncached
+    forward's of the changed model. A stale packed copy would give the old model's; the
+    experts' weights are changed on their own once, so a stale expert copy shows alone."""
     model = randomize_(ShramForCausalLM(random_config(7)), 7).eval()
     dec = StaticDecoder(model, compile=True)
     ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(7))
@@ -404,6 +442,17 @@ def test_compiled_decoder_follows_weight_changes():
     torch.testing.assert_close(changed, want(), atol=TOL, rtol=0)
     for lin in (m for m in model.modules() if isinstance(m, torch.nn.Linear)):
         lin.weight.data = -lin.weight.data  # a new tensor each
+    torch.testing.assert_close(run(), want(), atol=TOL, rtol=0)
+    experts = [m for m in model.modules() if isinstance(m, BEA)]
+    before = run()
+    with torch.no_grad():
+        for bea in experts:  # in place, one projection each way
+            bea.k_proj.mul_(1 + 0.5 * torch.rand(bea.k_proj.shape, generator=gen))
+    changed = run()
+    assert (changed - before).abs().max() > 100 * TOL
+    torch.testing.assert_close(changed, want(), atol=TOL, rtol=0)
+    for bea in experts:  # replaced
+        bea.v_proj.data = -bea.v_proj.data
     torch.testing.assert_close(run(), want(), atol=TOL, rtol=0)
 
 
@@ -445,6 +494,10 @@ def test_decoders_never_alter_the_model(tied):
         assert len(swapped) == sum(isinstance(m, torch.nn.Linear) for m in model.modules()) + tied
         assert all(m.weight.data_ptr() in ptrs for m in swapped), "a decoder copied a weight"
         assert not any(isinstance(m, RowLinear) for m in dec.module.model.modules())
+        experts = [m for m in dec.decode_module.model.modules() if isinstance(m, RowExperts)]
+        assert len(experts) == model.config.num_decoder_layers
+        assert all(w.data_ptr() in ptrs for m in experts for w in (*m.sources, m.o_proj))
+        assert not any(isinstance(m, RowExperts) for m in dec.module.model.modules())
         routers = [m for m in dec.decode_module.model.modules() if isinstance(m, Router)]
         assert len(routers) == model.config.num_decoder_layers and all(r.fused for r in routers)
         assert not any(m.fused for m in dec.module.model.modules() if isinstance(m, Router))
