@@ -286,3 +286,30 @@ def test_rows_join_and_restart_while_others_decode(builtin):
     with pytest.raises(ValueError):  # a bad row leaves every count as it was
         dec.reset_rows([2])
     assert dec.live_counts.tolist() == [12, C]
+
+
+def test_matmul_only_graph_of_the_benchmark(builtin, tmp_path):
+    """`benchmarks/onnx_matmuls.py` builds a graph of the decode graph's weight matmuls alone:
+    every MatMul/Gemm over an initializer, once each, over the same weights, and onnxruntime
+    runs it (each output the sum of the row of ones it is fed times its weight)."""
+    import importlib.util
+    import pathlib
+
+    import onnxruntime as ort
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "onnx_matmuls.py"
+    spec = importlib.util.spec_from_file_location("onnx_matmuls", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    decode = onnx.load(builtin[0]["decode"])
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in decode.graph.initializer}
+    want = [n for n in decode.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in inits]
+    out = str(tmp_path / "mm.onnx")
+    count, nbytes = mod.matmul_graph(builtin[0]["decode"], out)
+    assert count == len(want) > 0
+    assert nbytes == sum(inits[w].nbytes for w in {n.input[1] for n in want})
+    sess = ort.InferenceSession(out, providers=["CPUExecutionProvider"])
+    got = sess.run(None, {i.name: np.ones(i.shape, np.float32) for i in sess.get_inputs()})[0]
+    # each node's output summed: ones @ W sums to W's sum (transposed or not)
+    want_sums = np.array([inits[n.input[1]].sum(dtype=np.float64) for n in want])
+    np.testing.assert_allclose(got.reshape(-1), want_sums, rtol=1e-4, atol=1e-3)
