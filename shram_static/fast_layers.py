@@ -103,9 +103,9 @@ class RowExperts(BEA):
     `project` gathers each token's K experts' (d, 3u) blocks and sums h times them over d,
     accumulated in fp32: Inductor then runs each block's 3u outputs as vectors over contiguous
     weights. WHY: `BEA.project`'s einsum becomes a batched matmul over K*u columns, and Inductor
-    loads each vector of it lane by lane (an index divided and taken modulo u per lane); the
-    verify step of the built-in model spent about a fifth of its kernel time there
-    (benchmarks/kernel_loops.py --step verify). Everything else is `BEA`'s.
+    loads each vector of it lane by lane (an index divided and taken modulo u per lane): 19% of
+    the built-in model's verify step's samples (benchmarks/kernel_loops.py --step verify, 7%
+    with this layout; docs/performance.md). Everything else is `BEA`'s.
 
     The copy does not follow the weights by itself: `repack()` after one changed
     (`StaticDecoder` checks before each step).
