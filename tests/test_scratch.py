@@ -192,6 +192,9 @@ STOCK_SCRIPT = textwrap.dedent('''
     from helpers import randomize_, random_config
     from shram_static import ShramForCausalLM, StaticDecoder
     from torch._inductor.codecache import PyCodeCache
+    # one thread, as in the tests' own processes (conftest.py): Inductor compiles for the thread
+    # count, so the steps compiled by the tests above are the ones loaded here, from its cache
+    torch.set_num_threads(1)
     model = randomize_(ShramForCausalLM(random_config({config_seed})), 13).eval()
     ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(6))
     dec = StaticDecoder(model, compile=True)
