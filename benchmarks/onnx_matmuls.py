@@ -32,7 +32,7 @@ def matmul_graph(path: str, out_path: str) -> tuple[int, int]:
 
     m = onnx.load(path)  # with its external data: the weights are copied into the new graph
     inits = {i.name: i for i in m.graph.initializer}
-    nodes, used, inputs, sums = [], [], {}, []
+    nodes, used, inputs, sums = [], {}, {}, []  # used: each weight read, once by name
     for n in m.graph.node:
         if n.op_type not in ("MatMul", "Gemm") or len(n.input) < 2 or n.input[1] not in inits:
             continue
@@ -42,21 +42,21 @@ def matmul_graph(path: str, out_path: str) -> tuple[int, int]:
         trans_b = any(a.name == "transB" and a.i for a in n.attribute)
         k = w.dims[-1] if trans_b else w.dims[-2]
         x = inputs.setdefault(k, f"x{k}")
-        y = f"y{len(nodes)}"
+        y = f"y{len(sums)}"
         nodes.append(helper.make_node(n.op_type, [x, n.input[1]], [y], **({"transB": 1} if trans_b else {})))
         nodes.append(helper.make_node("ReduceSum", [y], [f"{y}.sum"], keepdims=1))
         sums.append(f"{y}.sum")
-        used.append(w)
-    if not nodes:
+        used[w.name] = w
+    if not sums:
         raise SystemExit(f"{path} has no MatMul or Gemm over a weight")
     nodes.append(helper.make_node("Concat", sums, ["out"], axis=-1))
     graph = helper.make_graph(
         nodes, "weight_matmuls",
         [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, k]) for k, x in inputs.items()],
-        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], list({w.name: w for w in used}.values()))
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], list(used.values()))
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     onnx.save(model, out_path, save_as_external_data=True, location=os.path.basename(out_path) + ".data")
-    nbytes = sum(int(np.prod(w.dims)) * 4 for w in {w.name: w for w in used}.values())
+    nbytes = sum(int(np.prod(w.dims)) * 4 for w in used.values())  # fp32, checked above
     return len(sums), nbytes
 
 

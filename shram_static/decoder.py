@@ -98,9 +98,9 @@ class StaticDecoder(HostDecoder):
         # the RowLinears and RowExperts, whose own copies are packed again before a step once a
         # weight they are made of has changed (its version counter: written in place; its data
         # pointer: replaced)
-        self._packers = [m for m in self.decode_module.modules() if isinstance(m, (RowLinear, RowExperts))]
-        self._row_weights = [w for m in self._packers for w in m.sources]
-        self._row_owner = [m for m in self._packers for _ in m.sources]
+        packers = [m for m in self.decode_module.modules() if isinstance(m, (RowLinear, RowExperts))]
+        self._row_owner = [m for m in packers for _ in m.sources]  # the packer of each weight
+        self._row_weights = [w for m in packers for w in m.sources]
         self._row_stamps = _stamps(self._row_weights)
         self.compiled = compile
         self.skip_guards = skip_guards and enabled("skip_guards")

@@ -6,7 +6,9 @@ model built by the package.
 """
 
 import contextlib
+import importlib.util
 import os
+import pathlib
 import random
 import sys
 import unittest.mock
@@ -27,6 +29,15 @@ GOLDEN_CASES = ["main_basic", "semantic_tied", "yarn_extended", "left_padded"]
 
 # L -> the K that give W = L // K in {1, 2, 3, 4}
 _SPARSE_SHAPES = {4: (4, 2, 1), 6: (6, 3, 2), 8: (8, 4, 2), 12: (12, 6, 4, 3)}
+
+
+def load_benchmark(name: str):
+    """The module of `benchmarks/<name>.py` (a script, not a package), loaded from its file."""
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def random_config(seed: int, **overrides) -> ShramConfig:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import (GOLDEN_CASES, check_last_token_prefill, check_verify_step, counting_traces, golden_case,
-                     golden_run, tiny_model)
+                     golden_run, load_benchmark, tiny_model)
 
 from shram_static import StaticDecoder
 from shram_static.export import ExportFormatError, export_onnx, load_onnx
@@ -292,15 +292,9 @@ def test_matmul_only_graph_of_the_benchmark(builtin, tmp_path):
     """`benchmarks/onnx_matmuls.py` builds a graph of the decode graph's weight matmuls alone:
     every MatMul/Gemm over an initializer, once each, over the same weights, and onnxruntime
     runs it (each output the sum of the row of ones it is fed times its weight)."""
-    import importlib.util
-    import pathlib
-
     import onnxruntime as ort
 
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "onnx_matmuls.py"
-    spec = importlib.util.spec_from_file_location("onnx_matmuls", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("onnx_matmuls")
     decode = onnx.load(builtin[0]["decode"])
     inits = {i.name: onnx.numpy_helper.to_array(i) for i in decode.graph.initializer}
     want = [n for n in decode.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in inits]

@@ -2,8 +2,7 @@
 generated C++: its parser finds each top-level nest, in a kernel with and without an OpenMP
 parallel region, with the nest's outer loop bounds."""
 
-import importlib.util
-import pathlib
+from helpers import load_benchmark
 
 BODY = """\
 {name}
@@ -29,11 +28,7 @@ BODY = """\
 
 
 def _tool():
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "kernel_loops.py"
-    spec = importlib.util.spec_from_file_location("kernel_loops", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("kernel_loops")
 
 
 def test_loop_nests_of_a_kernel_with_and_without_openmp():

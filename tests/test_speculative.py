@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
-from helpers import DATA, golden_case, random_ids, random_model, tiny_model
+from helpers import DATA, golden_case, load_benchmark, random_ids, random_model, tiny_model
 from shram_static import StaticDecoder
 from shram_static.cli import main
 from shram_static.speculative import LOOKUP_NGRAMS, PromptLookup, _accept
@@ -170,12 +170,7 @@ def test_prompt_lookup_replay_counts_the_steps_of_speculative_generate():
     """`benchmarks/prompt_lookup.py` replays speculative_generate against a scripted decoder:
     it must emit the recorded tokens, and every token after the first is a kept guess or the
     one token each verify or decode step adds."""
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "prompt_lookup.py"
-    spec = importlib.util.spec_from_file_location("prompt_lookup_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("prompt_lookup")
     prompt = [1, 2, 3, 4, 5, 6, 7, 8] * 3
     new = [1, 2, 3, 4, 9, 9, 5, 6, 7, 8, 1, 2] * 4
     for setting in (None, (3, 1, 8), (8, 2, 2)):
