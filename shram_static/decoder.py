@@ -40,12 +40,12 @@ class StaticDecoder(HostDecoder):
         batch_size: B rows.
         prefill_chunk: C tokens per prefill step (prompts are split into C-token chunks).
         compile: wrap both steps in `torch.compile(fullgraph=True, dynamic=False)`; each
-            compiles once, on first use. With batch_size <= FEW_ROWS on CPU the compiled decode step
-            runs its projections as `RowLinear` and its experts as `RowExperts` on the decoder's
-            own `shared_copy` of the model (same weight tensors, and its own copy of each
-            projection's weight in a packed layout and of the experts' q, k and v side by side,
-            made again before a step if a weight has changed); the model passed in is never
-            modified. On CPU, Inductor's check of the machine's vector ISA starts
+            compiles once, on first use. With batch_size <= FEW_ROWS on CPU the compiled steps
+            run their projections as `RowLinear` and their experts as `RowExperts` on the
+            decoder's own `shared_copy` of the model (same weight tensors, and its own copy of
+            each projection's weight in a packed layout and of the experts' q, k and v side by
+            side, made again before a step if a weight has changed); the model passed in is
+            never modified. On CPU, Inductor's check of the machine's vector ISA starts
             at once, in the background (`cpu_isa.py`).
         eos_token_id: id that ends a row in `generate`.
         skip_guards: compile only. Once a step has run with Dynamo's guards checked, later
@@ -88,23 +88,26 @@ class StaticDecoder(HostDecoder):
         # The verify step (a few tokens per row) attends per token, as the decode step does:
         # Inductor reads the gathered caches in place (exports, where a gather is a copy, do not).
         few = verify_len or 1
-        self.module = StepModule(self.model, self.state, per_token_max=few)
-        self.decode_module = self.module
         decode_options = NO_SIZE_ASSERTS
         if compile and batch_size <= FEW_ROWS and p.device.type == "cpu":
-            self.decode_module = StepModule(row_linear_(shared_copy(self.model)), self.state, per_token_max=few)
+            # every compiled step on the row copy: its decode and verify rows as row reductions,
+            # a prefill chunk's projections as F.linear and its experts as one batched matmul
+            # (RowExperts), the last-token head of a prompt chunk over B rows
+            self.module = StepModule(row_linear_(shared_copy(self.model)), self.state, per_token_max=few)
             if batch_size > 1:
                 decode_options = {**NO_SIZE_ASSERTS, **ROW_INPUTS_STORED}
+        else:
+            self.module = StepModule(self.model, self.state, per_token_max=few)
         # the RowLinears and RowExperts, whose own copies are packed again before a step once a
         # weight they are made of has changed (its version counter: written in place; its data
         # pointer: replaced)
-        packers = [m for m in self.decode_module.modules() if isinstance(m, (RowLinear, RowExperts))]
+        packers = [m for m in self.module.modules() if isinstance(m, (RowLinear, RowExperts))]
         self._row_owner = [m for m in packers for _ in m.sources]  # the packer of each weight
         self._row_weights = [w for m in packers for w in m.sources]
         self._row_stamps = _stamps(self._row_weights)
         self.compiled = compile
         self.skip_guards = skip_guards and enabled("skip_guards")
-        self._tensors: dict[str, list[torch.Tensor]] = {}  # step -> every weight and state tensor
+        self._tensors: list[torch.Tensor] | None = None  # every weight and state tensor of the steps
         self._checked: dict[str, list[int]] = {}  # step -> their storages when guards last passed
         if compile and p.device.type == "cpu":  # Inductor's ISA check, beside the first trace
             start_isa_checks()
@@ -133,13 +136,13 @@ class StaticDecoder(HostDecoder):
             self.prefill_last_step = self._prefill_last_step
 
     def _decode_step(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        return self.decode_module(tokens, input_pos, live)
+        return self.module(tokens, input_pos, live)
 
     def _prefill_step(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         return self.module(tokens, input_pos, live)
 
     def _verify_step(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        return self.decode_module(tokens, input_pos, live)
+        return self.module(tokens, input_pos, live)
 
     def _prefill_last_step(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         return self.module(tokens, input_pos, live, last_only=True)
@@ -157,19 +160,18 @@ class StaticDecoder(HostDecoder):
         args = tokens.to(d), input_pos.to(d), live.to(d)
         if not self.compiled:
             return fn(*args)
-        if key in ("decode", "verify") and self._row_weights:
+        if self._row_weights:
             stamps = _stamps(self._row_weights)
             if stamps != self._row_stamps:
                 for m in {m for m, now, then in zip(self._row_owner, stamps, self._row_stamps) if now != then}:
                     m.repack()
                 self._row_stamps = stamps
-                self._tensors.clear()  # a packed weight may be a new tensor: list them again
+                self._tensors = None  # a packed weight may be a new tensor: list them again
         if not self.skip_guards:
             return compiled_call(fn, *args)
-        if key not in self._tensors:  # walking the module tree per call costs more than the guards
-            mod = self.module if key.startswith("prefill") else self.decode_module
-            self._tensors[key] = [*mod.parameters(), *mod.buffers()]
-        ptrs = [t.data_ptr() for t in self._tensors[key]]  # cheap: one pointer per tensor
+        if self._tensors is None:  # walking the module tree per call costs more than the guards
+            self._tensors = [*self.module.parameters(), *self.module.buffers()]
+        ptrs = [t.data_ptr() for t in self._tensors]  # cheap: one pointer per tensor
         if self._checked.get(key) != ptrs:  # first call, or a tensor was replaced: check guards
             out = compiled_call(fn, *args)
             self._checked[key] = ptrs

@@ -3,7 +3,7 @@
 Each swap is a source transformation on a copy of the model (as in ExecuTorch's llama example):
 the model a caller hands in is never changed.
 
-* `row_linear_` (the compiled decode step on CPU, up to FEW_ROWS rows): every bias-free
+* `row_linear_` (the compiled steps on CPU, up to FEW_ROWS rows per batch): every bias-free
   `nn.Linear` becomes a `RowLinear` over the same weight (and a packed copy of it), every `BEA`
   a `RowExperts` (its q, k and v experts side by side in a copy of their own), and every
   `Router` computes its logits and top-k in forms Inductor fuses (`Router.fused`), on a
@@ -132,10 +132,18 @@ class RowExperts(BEA):
         _refill(self, "qkv", self._pack())
 
     def project(self, h: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """See `BEA.project`."""
+        """See `BEA.project`. Up to FEW_ROWS tokens, each token's K blocks; more (a prefill
+        chunk), every expert as one batched matmul, each token's K outputs then picked: the
+        weights read once per chunk instead of once per token (as `RowLinear` goes to F.linear)."""
+        B, C, d = h.shape
         u = self.q_proj.shape[-1]
-        w = gather_experts(self.qkv, idx).float()  # (B, C, K, d, 3u)
-        y = (h.float()[:, :, None, :, None] * w).sum(-2).to(h.dtype)  # (B, C, K, 3u)
+        if B * C > FEW_ROWS:
+            y = torch.matmul(h.reshape(1, B * C, d), self.qkv)  # (L, BC, 3u)
+            pick = idx.reshape(B * C, -1, 1).expand(-1, -1, 3 * u)  # (BC, K, 3u)
+            y = y.transpose(0, 1).gather(1, pick).view(B, C, -1, 3 * u)  # (B, C, K, 3u)
+        else:
+            w = gather_experts(self.qkv, idx).float()  # (B, C, K, d, 3u)
+            y = (h.float()[:, :, None, :, None] * w).sum(-2).to(h.dtype)  # (B, C, K, 3u)
         return y[..., :u], y[..., u:2 * u], y[..., 2 * u:]
 
 

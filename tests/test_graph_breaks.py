@@ -145,12 +145,12 @@ def check_guard_skipping(comp, eager, tok):
     """Under fail_on_recompile, for a warmed-up decoder with skip_guards: guards are really
     skipped, and a weight whose storage was replaced (here by a float64 copy, which the compiled
     kernels would read as float32) gets them checked again instead of being misread."""
-    log, comp.decode_module.routing_log = comp.decode_module.routing_log, []
+    log, comp.module.routing_log = comp.module.routing_log, []
     try:  # Dynamo guards this attribute: checking its guards would recompile and raise here
         torch.testing.assert_close(comp.decode(tok), eager.decode(tok), atol=1e-4, rtol=1e-4)
     finally:
-        comp.decode_module.routing_log = log
-    w = comp.decode_module.model.embed_tokens.weight
+        comp.module.routing_log = log
+    w = comp.module.model.embed_tokens.weight
     count, orig = comp.live_counts, w.data
     w.data = orig.double()
     try:

@@ -375,9 +375,10 @@ def test_row_linear_repack():
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_row_experts_project_equals_experts(dtype, tol):
-    """The compiled decode step's expert projections, eager and compiled, against a float64
-    product of each token's selected experts' own weights: one and five tokens, repeated and
-    distinct experts; `repack` follows a weight written in place."""
+    """The compiled steps' expert projections, eager and compiled, against a float64 product of
+    each token's selected experts' own weights: 2 and FEW_ROWS tokens (each token's blocks) and
+    more (every expert, then each token's picked), repeated and distinct experts; `repack`
+    follows a weight written in place, on both paths."""
     gen = torch.Generator().manual_seed(9)
     cfg = random_config(9)
     L, d, u, K = cfg.num_mosrah_heads, cfg.embedding_width, cfg.head_dim, cfg.num_selected_heads
@@ -392,7 +393,7 @@ def test_row_experts_project_equals_experts(dtype, tol):
         return [torch.einsum("bcd,bckdu->bcku", h.double(), w.double()[idx]).float()
                 for w in (bea.q_proj, bea.k_proj, bea.v_proj)]
 
-    for C in (1, 5):
+    for C in (1, FEW_ROWS // 2, 16):
         h = torch.randn(2, C, d, generator=gen).to(dtype)
         idx = torch.randint(0, L, (2, C, K), generator=gen)
         idx[0, 0] = idx[0, 0, 0]  # one token with one expert K times
@@ -406,14 +407,15 @@ def test_row_experts_project_equals_experts(dtype, tol):
         bea.v_proj.mul_(-2)
     row.repack()
     assert row.qkv is buf
-    for g, w in zip(row.project(h, idx), want(h, idx)):
-        torch.testing.assert_close(g.float(), w, atol=tol * d ** 0.5, rtol=tol)
+    for h, idx in ((h, idx), (h[:, :2], idx[:, :2])):
+        for g, w in zip(row.project(h, idx), want(h, idx)):
+            torch.testing.assert_close(g.float(), w, atol=tol * d ** 0.5, rtol=tol)
 
 
 def test_compiled_decoder_follows_weight_changes():
     """Weights changed after a compiled decoder was built, in place (as `load_state_dict`
-    writes them) or replaced by new tensors (`.data`), are what its next decode and verify
-    steps read (its RowLinears and RowExperts pack them again): the logits equal the uncached
+    writes them) or replaced by new tensors (`.data`), are what its next prefill, decode and
+    verify steps read (its RowLinears and RowExperts pack them again): the logits equal the uncached
     forward's of the changed model. A stale packed copy would give the old model's; the
     experts' weights are changed on their own once, so a stale expert copy shows alone."""
     model = randomize_(ShramForCausalLM(random_config(7)), 7).eval()
@@ -477,8 +479,8 @@ def test_top_k_as_ranks_is_top_k(L, k):
 def test_decoders_never_alter_the_model(tied):
     """Building decoders (eager, compiled batch 1 and 2 with their RowLinear swap)
     leaves the caller's module tree, weights, layouts and mode as they were; the decoders
-    hold the same weight tensors (no copy; a RowLinear's packed layout is its own); two
-    decoders on one model both stay correct."""
+    hold the same weight tensors (no copy; a RowLinear's packed layout is its own), an eager
+    decoder's steps the unswapped layers; two decoders on one model both stay correct."""
     model = randomize_(ShramForCausalLM(random_config(4, tie_word_embeddings=tied)), 4)
     model.train()
     before = {k: (v.clone(), v.stride(), v.data_ptr()) for k, v in model.state_dict().items()}
@@ -490,17 +492,16 @@ def test_decoders_never_alter_the_model(tied):
         assert torch.equal(v, before[k][0]) and (v.stride(), v.data_ptr()) == before[k][1:], k
     ptrs = {p.data_ptr() for p in model.parameters()}
     for dec in decs[1:]:
-        swapped = [m for m in dec.decode_module.model.modules() if isinstance(m, RowLinear)]
+        swapped = [m for m in dec.module.model.modules() if isinstance(m, RowLinear)]
         assert len(swapped) == sum(isinstance(m, torch.nn.Linear) for m in model.modules()) + tied
         assert all(m.weight.data_ptr() in ptrs for m in swapped), "a decoder copied a weight"
-        assert not any(isinstance(m, RowLinear) for m in dec.module.model.modules())
-        experts = [m for m in dec.decode_module.model.modules() if isinstance(m, RowExperts)]
+        experts = [m for m in dec.module.model.modules() if isinstance(m, RowExperts)]
         assert len(experts) == model.config.num_decoder_layers
         assert all(w.data_ptr() in ptrs for m in experts for w in (*m.sources, m.o_proj))
-        assert not any(isinstance(m, RowExperts) for m in dec.module.model.modules())
-        routers = [m for m in dec.decode_module.model.modules() if isinstance(m, Router)]
+        routers = [m for m in dec.module.model.modules() if isinstance(m, Router)]
         assert len(routers) == model.config.num_decoder_layers and all(r.fused for r in routers)
-        assert not any(m.fused for m in dec.module.model.modules() if isinstance(m, Router))
+    eager = decs[0].module.model.modules()
+    assert not any(isinstance(m, (RowLinear, RowExperts)) or getattr(m, "fused", False) for m in eager)
     assert not any(m.fused for m in model.modules() if isinstance(m, Router))
     # two eager decoders on one model, interleaved, each equal to the uncached forward
     model.eval()
