@@ -35,7 +35,7 @@ def shared_copy(model: nn.Module) -> nn.Module:
 
 
 class RowLinear(nn.Module):
-    """`nn.Linear` (no bias) for the compiled decode and verify steps on CPU.
+    """`nn.Linear` (no bias) for the compiled steps on CPU.
 
     Up to FEW_ROWS rows it reads its own copy of the weight, packed in blocks of LANES outputs
     (`pack_rows`): per row, a broadcast product with the packed weight summed over the input
@@ -97,8 +97,8 @@ def pack_rows(weight: torch.Tensor) -> torch.Tensor:
 
 
 class RowExperts(BEA):
-    """`BEA` for the compiled decode and verify steps on CPU: the same expert weights (shared),
-    and its own copy of q, k and v side by side, (L, d, 3u), that `project` reads.
+    """`BEA` for the compiled steps on CPU: the same expert weights (shared), and its own copy of
+    q, k and v side by side, (L, d, 3u), that `project` reads.
 
     `project` gathers each token's K experts' (d, 3u) blocks and sums h times them over d,
     accumulated in fp32: Inductor then runs each block's 3u outputs as vectors over contiguous

@@ -87,7 +87,7 @@ class LocalAttention(nn.Module):
 class Router(nn.Module):
     """The MoSRAH router's weight (L, d); `routing.route` computes with it.
 
-    `fused` (False): set on the compiled decode step's copy by `fast_layers.row_linear_`, where
+    `fused` (False): set on the compiled steps' copy by `fast_layers.row_linear_`, where
     `route` then computes the logits and the top-k in forms Inductor fuses (`routing.route`).
     """
 
