@@ -39,7 +39,7 @@ class StaticDecoder(HostDecoder):
         model: a `ShramForCausalLM` (eval mode; its dtype and device are used for the state).
         batch_size: B rows.
         prefill_chunk: C tokens per prefill step (prompts are split into C-token chunks).
-        compile: wrap both steps in `torch.compile(fullgraph=True, dynamic=False)`; each
+        compile: wrap each step in `torch.compile(fullgraph=True, dynamic=False)`; each
             compiles once, on first use. With batch_size <= FEW_ROWS on CPU the compiled steps
             run their projections as `RowLinear` and their experts as `RowExperts` on the
             decoder's own `shared_copy` of the model (same weight tensors, and its own copy of
@@ -90,14 +90,13 @@ class StaticDecoder(HostDecoder):
         few = verify_len or 1
         decode_options = NO_SIZE_ASSERTS
         if compile and batch_size <= FEW_ROWS and p.device.type == "cpu":
-            # every compiled step on the row copy: its decode and verify rows as row reductions,
+            # every compiled step on the swapped copy: decode and verify rows as row reductions,
             # a prefill chunk's projections as F.linear and its experts as one batched matmul
             # (RowExperts), the last-token head of a prompt chunk over B rows
-            self.module = StepModule(row_linear_(shared_copy(self.model)), self.state, per_token_max=few)
+            row_linear_(self.model)
             if batch_size > 1:
                 decode_options = {**NO_SIZE_ASSERTS, **ROW_INPUTS_STORED}
-        else:
-            self.module = StepModule(self.model, self.state, per_token_max=few)
+        self.module = StepModule(self.model, self.state, per_token_max=few)
         # the RowLinears and RowExperts, whose own copies are packed again before a step once a
         # weight they are made of has changed (its version counter: written in place; its data
         # pointer: replaced)
