@@ -6,6 +6,7 @@ import torch
 
 from .accelerators import enabled
 from .cpu_isa import start_isa_checks
+from .frames import DirectFrame
 # RowLinear: also importable from here, where the decoder that uses it lives
 from .fast_layers import FEW_ROWS, RowExperts, RowLinear, row_linear_, shared_copy  # noqa: F401
 from .host import HostDecoder
@@ -106,6 +107,8 @@ class StaticDecoder(HostDecoder):
         self._row_stamps = _stamps(self._row_weights)
         self.compiled = compile
         self.skip_guards = skip_guards and enabled("skip_guards")
+        self._direct = self.skip_guards and enabled("direct_frame")
+        self._frames: dict[str, DirectFrame | None] = {}  # step -> its frame code, called directly
         self._tensors: list[torch.Tensor] | None = None  # every weight and state tensor of the steps
         self._checked: dict[str, list[int]] = {}  # step -> their storages when guards last passed
         if compile and p.device.type == "cpu":  # Inductor's ISA check, beside the first trace
@@ -174,7 +177,11 @@ class StaticDecoder(HostDecoder):
         if self._checked.get(key) != ptrs:  # first call, or a tensor was replaced: check guards
             out = compiled_call(fn, *args)
             self._checked[key] = ptrs
+            self._frames[key] = DirectFrame.of(fn) if self._direct else None
             return out
+        frame = self._frames.get(key)
+        if frame is not None and frame.usable():  # what the stance below runs, without its lookup
+            return frame(*args)
         with _guards_skipped():
             try:
                 return fn(*args)

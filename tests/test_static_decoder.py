@@ -513,3 +513,49 @@ def test_decoders_never_alter_the_model(tied):
     lb = torch.cat([lb, b.prefill(ids[:, 5:])], 1)
     torch.testing.assert_close(la, want, atol=TOL, rtol=0)
     torch.testing.assert_close(lb, want, atol=TOL, rtol=0)
+
+
+def _profiled(fn) -> set[str]:
+    """The names of the profiler events a call of fn records."""
+    with torch.profiler.profile() as prof:
+        fn()
+    return {e.name for e in prof.events()}
+
+
+def test_compiled_steps_run_their_frame_code_once_checked(monkeypatch):
+    """Once a compiled step has run with Dynamo's guards checked, the decoder calls the step's
+    compiled frame code itself (`frames.DirectFrame`, accelerator `direct_frame`): no Dynamo
+    frame evaluation in a decode or verify step, and the logits of the uncached forward. Dynamo
+    runs the call again under `force_eager` (no compiled graph then), after
+    `torch._dynamo.reset()` (the step compiles again) and with the accelerator turned off."""
+    model = randomize_(ShramForCausalLM(random_config(13)), 13).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        want = model(ids).logits
+    # Dynamo's frame evaluation records these (a lookup, a compiled region)
+    dynamo = lambda events: any(e == "TorchDynamo Cache Lookup" or e.startswith("Torch-Compiled Region")  # noqa: E731
+                                for e in events)
+    dec = StaticDecoder(model, compile=True)
+    dec.prefill(ids[:, :4])
+    torch.testing.assert_close(dec.decode(ids[:, 4]), want[:, 4], atol=TOL, rtol=0)  # guards checked
+    events = _profiled(lambda: torch.testing.assert_close(dec.decode(ids[:, 5]), want[:, 5], atol=TOL, rtol=0))
+    assert not dynamo(events) and any("CompiledFxGraph" in e for e in events)
+    torch.testing.assert_close(dec.verify(ids[:, 6:9]), want[:, 6:9], atol=TOL, rtol=0)
+    dec.rollback(3)
+    events = _profiled(lambda: torch.testing.assert_close(dec.verify(ids[:, 6:9]), want[:, 6:9], atol=TOL, rtol=0))
+    assert not dynamo(events) and any("CompiledFxGraph" in e for e in events)
+    dec.rollback(3)
+    with torch.compiler.set_stance("force_eager"):
+        events = _profiled(lambda: torch.testing.assert_close(dec.verify(ids[:, 6:9]), want[:, 6:9],
+                                                              atol=TOL, rtol=0))
+    assert not any("CompiledFxGraph" in e for e in events)
+    dec.rollback(3)
+    torch._dynamo.reset()
+    events = _profiled(lambda: torch.testing.assert_close(dec.verify(ids[:, 6:9]), want[:, 6:9], atol=TOL, rtol=0))
+    assert dynamo(events)  # the frame code of the cleared cache is not called: the step compiles again
+    monkeypatch.setenv("SHRAM_STATIC_STOCK", "direct_frame")
+    stock = StaticDecoder(model, compile=True)
+    stock.prefill(ids[:, :4])
+    stock.decode(ids[:, 4])
+    events = _profiled(lambda: torch.testing.assert_close(stock.decode(ids[:, 5]), want[:, 5], atol=TOL, rtol=0))
+    assert dynamo(events)
