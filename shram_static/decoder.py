@@ -57,7 +57,9 @@ class StaticDecoder(HostDecoder):
             shape, dtype and strides itself, so ~1400 guards over the step's ~260 tensors can
             never fail between two calls, and checking them is a visible share of a decode step
             (docs/performance.md). The accelerator `skip_guards` (shram_static/accelerators.py):
-            where it is off (another torch, `SHRAM_STATIC_STOCK=1`), guards are checked.
+            where it is off (another torch, `SHRAM_STATIC_STOCK=1`), guards are checked. Where
+            the accelerator `direct_frame` runs too, such a call runs the step's compiled frame
+            code itself, without Dynamo's lookup (`frames.DirectFrame`).
             False: check the guards on every call (what `fail_on_recompile` tests need).
         verify_len: tokens per row of the verify step (`verify`: the last accepted token and
             up to verify_len - 1 guesses, speculative decoding), its own compiled function;
