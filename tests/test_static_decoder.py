@@ -559,3 +559,19 @@ def test_compiled_steps_run_their_frame_code_once_checked(monkeypatch):
     stock.decode(ids[:, 4])
     events = _profiled(lambda: torch.testing.assert_close(stock.decode(ids[:, 5]), want[:, 5], atol=TOL, rtol=0))
     assert dynamo(events)
+
+
+def test_two_compiled_decoders_interleaved_run_their_own_frames():
+    """Two compiled decoders of different configs in one process (their steps share code
+    objects, so Dynamo caches an entry per decoder), called in turn once their guards have
+    passed: each step runs its own decoder's compiled frame (`frames.DirectFrame`), with that
+    model's logits."""
+    models = [randomize_(ShramForCausalLM(random_config(s, num_decoder_layers=1)), s).eval() for s in (14, 15)]
+    assert models[0].config.to_dict() != models[1].config.to_dict()
+    decs = [StaticDecoder(m, compile=True) for m in models]
+    ids = [torch.randint(0, m.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3)) for m in models]
+    with torch.no_grad():
+        want = [m(i).logits for m, i in zip(models, ids)]
+    for t in range(9):  # decode steps only: one compile per decoder
+        for d, i, w in zip(decs, ids, want):
+            torch.testing.assert_close(d.decode(i[:, t]), w[:, t], atol=TOL, rtol=0)
