@@ -132,12 +132,14 @@ class RowExperts(BEA):
         _refill(self, "qkv", self._pack())
 
     def project(self, h: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """See `BEA.project`. Up to FEW_ROWS tokens, each token's K blocks; more (a prefill
-        chunk), every expert as one batched matmul, each token's K outputs then picked: the
-        weights read once per chunk instead of once per token (as `RowLinear` goes to F.linear)."""
+        """See `BEA.project`. Up to FEW_ROWS tokens per row (decode, verify), each token's K
+        blocks; more (a prefill chunk), every expert as one batched matmul, each token's K
+        outputs then picked: the weights read once per chunk instead of once per token. Per row,
+        not per batch: at four rows of a 5-token verify step the batched matmul was 1.08x
+        (built-in model) and 1.02x (bench) the blocks' time."""
         B, C, d = h.shape
         u = self.q_proj.shape[-1]
-        if B * C > FEW_ROWS:
+        if C > FEW_ROWS:
             y = torch.matmul(h.reshape(1, B * C, d), self.qkv)  # (L, BC, 3u)
             pick = idx.reshape(B * C, -1, 1).expand(-1, -1, 3 * u)  # (BC, K, 3u)
             y = y.transpose(0, 1).gather(1, pick).view(B, C, -1, 3 * u)  # (B, C, K, 3u)

@@ -376,8 +376,9 @@ def test_row_linear_repack():
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_row_experts_project_equals_experts(dtype, tol):
     """The compiled steps' expert projections, eager and compiled, against a float64 product of
-    each token's selected experts' own weights: 2 and FEW_ROWS tokens (each token's blocks) and
-    more (every expert, then each token's picked), repeated and distinct experts; `repack`
+    each token's selected experts' own weights: 1 and FEW_ROWS / 2 tokens per row (each token's
+    blocks) and more than FEW_ROWS (every expert, then each token's picked), repeated and
+    distinct experts; `repack`
     follows a weight written in place, on both paths."""
     gen = torch.Generator().manual_seed(9)
     cfg = random_config(9)
