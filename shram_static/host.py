@@ -254,7 +254,7 @@ class HostDecoder:
         the capacity `generate` checked up front; the public methods' checks (a dozen small
         torch ops, each 3-8 us here) would cost about a tenth of a small model's step."""
         n = ids.shape[1]
-        if n > 1:  # the verify step's fixed shape: pad with dead tokens
+        if 1 < n < self.verify_len:  # the verify step's fixed shape: pad with dead tokens
             pad = self.verify_len - n
             ids, live = torch.nn.functional.pad(ids, (0, pad)), torch.nn.functional.pad(live, (0, pad))
         lg = self._call(ids, self._count, live)

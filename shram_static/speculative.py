@@ -167,8 +167,10 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
     if draft is not None:
         draft.reset()
         draft.prefill(ids, live, last_only=True)
-    out = torch.full((B, max_new_tokens), pad, dtype=torch.long)
-    made = [0] * B  # tokens produced per row
+    # WHY Python lists, not the output tensor, until the end: a round appends ~2 tokens per row
+    # and reads the last one back, and each tensor element read or write costs ~3 us, a visible
+    # share of what a round of a small model's speculation costs beside a plain decode step.
+    rows: list[list[int]] = [[] for _ in range(B)]  # tokens produced per row
     done = [False] * B
     lookups = []
     for b in range(B):
@@ -180,30 +182,38 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
     if streamer is not None:
         streamer.put(ids)
 
+    def seen(b: int) -> torch.Tensor:
+        """(t,) the tokens row b produced so far (what the logits warpers see when sampling)."""
+        return torch.tensor(rows[b], dtype=torch.long)
+
     def emit(b: int, toks: list[int]) -> None:
         """Appends a row's new tokens, up to its EOS or max_new_tokens."""
         for i, t in enumerate(toks):
-            out[b, made[b]] = t
-            made[b] += 1
-            if (eos is not None and t == eos) or made[b] == max_new_tokens:
+            rows[b].append(t)
+            if (eos is not None and t == eos) or len(rows[b]) == max_new_tokens:
                 done[b] = True
                 toks = toks[:i + 1]
                 break
         lookups[b].extend(toks)
 
+    def stream(upto: int) -> None:
+        nonlocal streamed
+        while streamed < upto:
+            streamer.put(torch.tensor([r[streamed] if streamed < len(r) else pad for r in rows]))
+            streamed += 1
+
     for b in range(B):
-        t, _ = _pick(logits[b], warp, out[b, :0], sample, gen)
+        t, _ = _pick(logits[b], warp, seen(b)[:0], sample, gen)
         emit(b, [int(t)])
         pending[b] = [int(t)]
     k = kmax  # draft decoder: adapted per round
     gain, skipped = 1.0, 0  # prompt lookup: recent guesses kept per verify step; rounds gated off
+    all_live = torch.ones(B, 1, dtype=torch.bool)  # a decode step's live mask while no row is done
     while not all(done):
         if streamer is not None:
-            while streamed < min(max_new_tokens if done[b] else made[b] for b in range(B)):
-                streamer.put(out[:, streamed].clone())
-                streamed += 1
-        nxt = [int(out[b, made[b] - 1]) for b in range(B)]
-        room = [0 if done[b] else min(k, max_new_tokens - made[b] - 1) for b in range(B)]
+            stream(min(max_new_tokens if done[b] else len(rows[b]) for b in range(B)))
+        nxt = [rows[b][-1] for b in range(B)]
+        room = [0 if done[b] else min(k, max_new_tokens - len(rows[b]) - 1) for b in range(B)]
         drafts: list[list[int]] = [[] for _ in range(B)]
         q: list[list] = [[] for _ in range(B)]
         if draft is not None and max(room) > 0:
@@ -213,7 +223,7 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
                 dl = _feed_last(draft, feed)  # (B, V)
                 for b in range(B):
                     if i < room[b]:
-                        t, p = _pick(dl[b], warp, out[b, :made[b]], sample, gen)
+                        t, p = _pick(dl[b], warp, seen(b) if sample else None, sample, gen)
                         drafts[b].append(int(t))
                         q[b].append(p)
                 feed = [[drafts[b][-1]] if i + 1 < room[b] else [] for b in range(B)]
@@ -223,18 +233,21 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
                 drafts = [lookups[b].propose(room[b]) if room[b] > 0 else [] for b in range(B)]
             skipped = 0 if gate else skipped + 1
         if not any(drafts):
-            logits = _step(dec, torch.tensor(nxt)[:, None], torch.tensor([[not d] for d in done]))[:, 0]
+            dlive = torch.tensor([[not d] for d in done]) if any(done) else all_live
+            logits = _step(dec, torch.tensor([[t] for t in nxt]), dlive)[:, 0]
             st["decodes"] += 1
             for b in range(B):
                 if not done[b]:
-                    t, _ = _pick(logits[b], warp, out[b, :made[b]], sample, gen)
+                    t, _ = _pick(logits[b], warp, seen(b) if sample else None, sample, gen)
                     emit(b, [int(t)])
                     pending[b].append(int(t))  # the draft was not fed this round
             continue
         n = 1 + max(len(d) for d in drafts)
-        vids = torch.tensor([[nxt[b]] + drafts[b] + [0] * (n - 1 - len(drafts[b])) for b in range(B)])
-        vlive = torch.tensor([[not done[b] and j <= len(drafts[b]) for j in range(n)] for b in range(B)])
-        vl = _step(dec, vids, vlive)  # (B, n, V)
+        # the verify step's own width (dead tokens after each row's guesses): no padding later
+        w = dec.verify_len if n <= (dec.verify_len or 0) else n
+        vids = torch.tensor([[nxt[b]] + drafts[b] + [0] * (w - 1 - len(drafts[b])) for b in range(B)])
+        vlive = torch.tensor([[not done[b] and j <= len(drafts[b]) for j in range(w)] for b in range(B)])
+        vl = _step(dec, vids, vlive)  # (B, w, V)
         st["rounds"] += 1
         st["k"].append(n - 1)
         back, draft_back = [0] * B, [0] * B
@@ -244,7 +257,7 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
                 continue
             d = drafts[b]
             toks = _accept(vl[b, :len(d) + 1], d, q[b] if draft is not None and sample else None, warp,
-                           out[b, :made[b]], sample, gen)
+                           seen(b) if sample else None, sample, gen)
             a = len(toks) - 1  # guesses kept
             st["accepted"] += a
             st["proposed"] += len(d)
@@ -256,16 +269,19 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
                 pending[b] = toks[min(a, fed):]
             emit(b, toks)
         # each row forgets no more than the guesses it was just fed (<= k <= rollback_limit)
-        dec._forget(torch.tensor(back))
+        if any(back):
+            dec._forget(torch.tensor(back))
         if draft is not None:
-            draft._forget(torch.tensor(draft_back))
+            if any(draft_back):
+                draft._forget(torch.tensor(draft_back))
             k = min(kmax, k + 2) if kept_all else max(1, k - 1)
         else:
             tried = [b for b in range(B) if drafts[b]]
             gain = 0.5 * gain + 0.5 * sum(len(drafts[b]) - back[b] for b in tried) / len(tried)
     if streamer is not None:
-        while streamed < max_new_tokens and streamed < max(made):
-            streamer.put(out[:, streamed].clone())
-            streamed += 1
+        stream(max(len(r) for r in rows))
         streamer.end()
+    out = torch.full((B, max_new_tokens), pad, dtype=torch.long)
+    for b in range(B):
+        out[b, :len(rows[b])] = torch.tensor(rows[b], dtype=torch.long)
     return out

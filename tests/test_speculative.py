@@ -59,8 +59,28 @@ def test_speculative_greedy_equals_greedy(pair, source):
     calls = counting_verify(dec)
     assert torch.equal(dec.generate(ids, mask, max_new_tokens=30, speculate=4, draft=draft), want)
     assert len(calls) >= 3 if source != "self_draft" else len(calls) <= 30 // 4 + 2
-    got = dec.generate(ids, mask, max_new_tokens=30, eos_token_id=eos, pad_token_id=1, speculate=4, draft=draft)
+    plain_puts, spec_puts = Recorder(), Recorder()
+    dec.generate(ids, mask, max_new_tokens=30, eos_token_id=eos, pad_token_id=1, streamer=plain_puts)
+    got = dec.generate(ids, mask, max_new_tokens=30, eos_token_id=eos, pad_token_id=1, speculate=4, draft=draft,
+                       streamer=spec_puts)
     assert torch.equal(got, want_eos)
+    # streamed: the prompt, then one (B,) column per position (pad after a row's EOS), then end
+    assert spec_puts.ended and plain_puts.ended
+    assert torch.equal(spec_puts.values[0], ids) and len(spec_puts.values) == len(plain_puts.values)
+    assert torch.equal(torch.stack(spec_puts.values[1:], 1), torch.stack(plain_puts.values[1:], 1))
+
+
+class Recorder:
+    """A streamer that keeps what it is given."""
+
+    def __init__(self):
+        self.values, self.ended = [], False
+
+    def put(self, value):
+        self.values.append(value.clone())
+
+    def end(self):
+        self.ended = True
 
 
 @pytest.mark.parametrize("source", ["plain", "lookup", "draft"])
