@@ -3,6 +3,7 @@
 import contextlib
 
 import torch
+import torch._inductor.config  # noqa: F401 -- read below for the FP-contraction option
 
 from .accelerators import enabled
 from .cpu_isa import start_isa_checks
@@ -31,6 +32,19 @@ ROW_INPUTS_STORED = {"realize_reads_threshold": 1}
 # `skip_guards`), and a step's own inputs come from `_run` in fixed shapes (what it saves:
 # docs/performance.md). A public Inductor option, not a registered accelerator.
 NO_SIZE_ASSERTS = {"size_asserts": False}
+
+# Inductor option for every compiled step: the C++ compiler may contract a product and the sum
+# it feeds into one fused multiply-add. WHY: Inductor builds its C++ with -ffp-contract=off
+# (its `cpp.enable_floating_point_contract_flag`), so each of RowLinear's row reductions and
+# each attention sum issues a multiply and a separate add per element, and the few-token steps
+# are bound by those instructions once their weights sit in cache (a verify step of 5 tokens
+# does 5 multiply-adds per weight read). An FMA rounds once instead of twice: the logits move
+# by float rounding, as any change of summation order does. Measured (docs/performance.md,
+# "Compiled torch"): the built-in model's verify step 0.91-0.93x, the bench model's decode step
+# 0.93x and verify step 0.89x. A public Inductor option; empty where a torch lacks it.
+FMA_CONTRACTION = ({"cpp.enable_floating_point_contract_flag": "fast"}
+                   if hasattr(torch._inductor.config.cpp, "enable_floating_point_contract_flag") else {})
+STEP_OPTIONS = {**NO_SIZE_ASSERTS, **FMA_CONTRACTION}  # what every compiled step is built with
 
 
 class StaticDecoder(HostDecoder):
@@ -91,14 +105,14 @@ class StaticDecoder(HostDecoder):
         # The verify step (a few tokens per row) attends per token, as the decode step does:
         # Inductor reads the gathered caches in place (exports, where a gather is a copy, do not).
         few = verify_len or 1
-        decode_options = NO_SIZE_ASSERTS
+        decode_options = STEP_OPTIONS
         if compile and batch_size <= FEW_ROWS and p.device.type == "cpu":
             # every compiled step on the swapped copy: decode and verify rows as row reductions,
             # a prefill chunk's projections as F.linear and its experts as one batched matmul
             # (RowExperts), the last-token head of a prompt chunk over B rows
             row_linear_(self.model)
             if batch_size > 1:
-                decode_options = {**NO_SIZE_ASSERTS, **ROW_INPUTS_STORED}
+                decode_options = {**STEP_OPTIONS, **ROW_INPUTS_STORED}
         self.module = StepModule(self.model, self.state, per_token_max=few)
         # the RowLinears and RowExperts, whose own copies are packed again before a step once a
         # weight they are made of has changed (its version counter: written in place; its data
@@ -121,18 +135,18 @@ class StaticDecoder(HostDecoder):
             self.decode_step = torch.compile(self._decode_step, fullgraph=True, dynamic=False,
                                              options=decode_options)
             self.prefill_step = torch.compile(self._prefill_step, fullgraph=True, dynamic=False,
-                                              options=NO_SIZE_ASSERTS)
+                                              options=STEP_OPTIONS)
             # A third code object for the verify step (a few tokens per row: RowLinear's fused
             # row reductions read each weight once, as at decode).
             self.verify_step = torch.compile(self._verify_step, fullgraph=True, dynamic=False,
-                                             options={**NO_SIZE_ASSERTS, **ROW_INPUTS_STORED})
+                                             options={**STEP_OPTIONS, **ROW_INPUTS_STORED})
             # A fourth for a prompt's chunks, which need logits at each row's last token only
             # (`prefill(last_only=True)` and `step(last_only=True)`: generation and the server).
             # Its cold compile costs what the prefill step's does (Inductor compiles the layer
             # region inside each step's graph); a caller that only generates compiles this one
             # and never the other.
             self.prefill_last_step = torch.compile(self._prefill_last_step, fullgraph=True, dynamic=False,
-                                                   options=NO_SIZE_ASSERTS)
+                                                   options=STEP_OPTIONS)
         else:
             self.decode_step = self._decode_step
             self.prefill_step = self._prefill_step

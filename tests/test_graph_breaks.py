@@ -93,7 +93,12 @@ def test_compiled_steps_never_recompile_and_match_eager(model, B):
     # tracing pytree's flatten (step.py; seconds of a cold compile).
     fingerprint = torch._dynamo.variables.invoke_subgraph
     # Each step's C++ kernels are built a few files at a time (kernel_builds.py).
-    with unittest.mock.patch.object(GraphLowering, "save_output_code", codes.append), \
+    contraction = []  # Inductor's C++ contraction setting while it wrote each step's code
+
+    def save(code):
+        codes.append(code)
+        contraction.append(torch._inductor.config.cpp.enable_floating_point_contract_flag)
+    with unittest.mock.patch.object(GraphLowering, "save_output_code", save), \
             unittest.mock.patch.object(fingerprint, "build_fingerprint_with_pytree",
                                        wraps=fingerprint.build_fingerprint_with_pytree) as flattened, \
             recorded_builds() as batches:
@@ -102,6 +107,8 @@ def test_compiled_steps_never_recompile_and_match_eager(model, B):
         tok = torch.randint(0, cfg.vocab_size, (B,), generator=gen)
         torch.testing.assert_close(comp.decode(tok), eager.decode(tok), atol=1e-4, rtol=1e-4)
     assert len(codes) == (2 if B > 1 else 1) and not [c for c in codes if "assert_size_stride(" in c]
+    # ... and its C++ contracts multiply-adds into FMAs (decoder.FMA_CONTRACTION)
+    assert contraction == ["fast"] * len(codes)
     # The decode step is fused C++ kernels only: its projections are row reductions (RowLinear),
     # its router's logits and top-k fused (Router.fused), no cumsum at one token. An extern call
     # or an aten fallback here is a call out of the layer's kernel per layer and step.
