@@ -29,10 +29,10 @@ PASSAGE = ("Shall I compare thee to a summer's day?\nThou art more lovely and mo
 PROMPTS = {"grounded": PASSAGE + "\n" + PASSAGE[:80], "free": "ROMEO:"}
 
 
-def _decoder(model, backend: str, k: int, stack):
+def _decoder(model, backend: str, k: int, stack, chunk: int = 32):
     if backend in ("eager", "compiled"):
         from .decoder import StaticDecoder
-        return StaticDecoder(model, batch_size=1, prefill_chunk=32, compile=backend == "compiled",
+        return StaticDecoder(model, batch_size=1, prefill_chunk=chunk, compile=backend == "compiled",
                              verify_len=k + 1)
     import os
     import tempfile
@@ -40,10 +40,10 @@ def _decoder(model, backend: str, k: int, stack):
     if backend == "pte":
         from .export import export_pte, load_pte
         info("exporting the .pte (with a verify method) ...")
-        return load_pte(export_pte(model, os.path.join(tmp, "m.pte"), verify_len=k + 1))
+        return load_pte(export_pte(model, os.path.join(tmp, "m.pte"), prefill_chunk=chunk, verify_len=k + 1))
     from .export import export_onnx, load_onnx
     info("exporting the .onnx (with a verify graph) ...")
-    return load_onnx(export_onnx(model, os.path.join(tmp, "m.onnx"), verify_len=k + 1)["decode"])
+    return load_onnx(export_onnx(model, os.path.join(tmp, "m.onnx"), prefill_chunk=chunk, verify_len=k + 1)["decode"])
 
 
 def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> tuple[float, float, float]:
@@ -142,8 +142,8 @@ def bench_speculative(args) -> int:
     # waiting for a core on a shared machine (use one thread: spinning threads would count).
     clock = time.process_time if args.cpu_time else time.perf_counter
     with contextlib.ExitStack() as stack:
-        dec = _decoder(model, args.backend, k, stack)
-        info(f"{args.model} on {args.backend}, batch 1, k = {k}: warming up ...")
+        dec = _decoder(model, args.backend, k, stack, args.prefill_chunk)
+        info(f"{args.model} on {args.backend}, batch 1, k = {k}, prefill chunk {dec.prefill_chunk}: warming up ...")
         dec.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
         dec.generate(torch.tensor([[1, 2, 3, 1, 2]]), max_new_tokens=4, speculate=k)
         step_costs(dec, k, min(64, args.context), 3)
@@ -176,6 +176,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=400, metavar="N")
     p.add_argument("--prompts", nargs="*", choices=list(PROMPTS), help="default: all (none for the bench model)")
     p.add_argument("--context", type=positive_int, default=256, help="context of the step-cost measurement")
+    p.add_argument("--prefill-chunk", type=positive_int, default=32, metavar="C",
+                   help="tokens per prefill step (both decoders' prompts; 64 is faster for a long prompt on one row)")
     p.add_argument("--steps", type=positive_int, default=40, help="alternating decode/verify steps timed")
     p.add_argument("--rounds", type=positive_int, default=3, help="plain/speculative runs per prompt, alternating")
     p.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")

@@ -175,8 +175,9 @@ def test_bench_speculative_command_reports_both_prompts(capsys, tmp_path):
     path = str(tmp_path / "ckpt")  # one layer, room for the 516-token grounded prompt
     tiny_model(num_decoder_layers=1, inference_sequence_length=640).save_pretrained(path)
     assert main(["bench-speculative", "--model", path, "--backend", "eager", "--max-new-tokens", "24",
-                 "--context", "8", "--steps", "3", "--rounds", "1"]) == 0
-    out = capsys.readouterr().out
+                 "--context", "8", "--steps", "3", "--rounds", "1", "--prefill-chunk", "8"]) == 0
+    out, err = capsys.readouterr()
+    assert "prefill chunk 8:" in err
     assert "verify / decode = " in out and "a decode step after a decode step " in out
     for name in ("grounded", "free"):
         line = next(ln for ln in out.splitlines() if ln.startswith(name))
