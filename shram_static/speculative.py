@@ -203,7 +203,7 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
             streamed += 1
 
     for b in range(B):
-        t, _ = _pick(logits[b], warp, seen(b)[:0], sample, gen)
+        t, _ = _pick(logits[b], warp, seen(b), sample, gen)  # nothing produced yet
         emit(b, [int(t)])
         pending[b] = [int(t)]
     k = kmax  # draft decoder: adapted per round
