@@ -79,7 +79,10 @@ class StaticDecoder(HostDecoder):
             up to verify_len - 1 guesses, speculative decoding), its own compiled function;
             None: no verify step (verification then runs as prefill). Steps of at most
             verify_len tokens per row attend per token, as the decode step does (`step.step`'s
-            per_token_max); longer prefill chunks attend expert by expert.
+            per_token_max); longer prefill chunks attend expert by expert. Compiled on CPU,
+            a verify step of at most FEW_ROWS (8) tokens per row runs its projections as
+            `RowLinear` row reductions; a longer one as matrix products, which made a 9-token
+            verify step cost ~3 decode steps on the built-in model (docs/performance.md).
         rollback_limit: the most tokens a row can forget at once (`rollback`); the state is
             built for max(prefill_chunk, verify_len, rollback_limit) (see `state.py`).
 
