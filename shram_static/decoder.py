@@ -39,9 +39,10 @@ NO_SIZE_ASSERTS = {"size_asserts": False}
 # each attention sum issues a multiply and a separate add per element, and the few-token steps
 # are bound by those instructions once their weights sit in cache (a verify step of 5 tokens
 # does 5 multiply-adds per weight read). An FMA rounds once instead of twice: the logits move
-# by float rounding, as any change of summation order does. Measured (docs/performance.md,
-# "Compiled torch"): the built-in model's verify step 0.91-0.93x, the bench model's decode step
-# 0.93x and verify step 0.89x. A public Inductor option; empty where a torch lacks it.
+# by float rounding, as any change of summation order does. Measured with
+# benchmarks/inductor_options.py on torch 2.13.0 and 2.14.1 (docs/performance.md, "Compiled
+# torch"): the built-in model's verify step 0.92-0.96x, the bench model's decode step
+# 0.93-0.96x and verify step 0.95-0.98x. A public Inductor option; empty where a torch lacks it.
 FMA_CONTRACTION = ({"cpp.enable_floating_point_contract_flag": "fast"}
                    if hasattr(torch._inductor.config.cpp, "enable_floating_point_contract_flag") else {})
 STEP_OPTIONS = {**NO_SIZE_ASSERTS, **FMA_CONTRACTION}  # what every compiled step is built with
