@@ -5,12 +5,17 @@ the logits check, bookkeeping) is a visible share of decoding. This builds a `St
 replaces its `_run` by one that returns fixed logits, and times each host path with `timeit`
 (best of 5 repeats): the public `decode` / `verify` / `rollback`, which check their inputs, and
 `_feed` / `_forget`, which `generate`'s loops use for tokens they picked themselves. Then it
-times `_run` itself (the compiled step with its guards skipped) for scale.
+times `_run` itself (the compiled step with its guards skipped) for scale, also inside a
+`_steady` window (what `generate` runs without a streamer: each step checked once), and 400
+greedy tokens of `generate` against a decoder that checks every step.
 
-    python benchmarks/host_costs.py [--model builtin|bench|DIR] [--calls 2000]
+    python benchmarks/host_costs.py [--model builtin|bench|DIR] [--calls 2000] [--rounds 10]
 """
 
 import argparse
+import contextlib
+import statistics
+import time
 import timeit
 
 import torch
@@ -20,6 +25,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="builtin")
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=10, help="generate runs per side")
     args = ap.parse_args(argv)
 
     from shram_static import StaticDecoder
@@ -59,9 +65,28 @@ def main(argv=None) -> int:
     env["pos"] = dec._count.clone()
     rows.append((f"_run, the compiled verify step of {n}", us("dec._run(v, pos, live_v)")))
     rows.append(("_run, the compiled decode step", us("dec._run(v1, pos, live_1)")))
+    with dec._steady():  # generate's loops without a streamer: each step checked once
+        dec._run(v, env["pos"], live_v)
+        dec._run(v1, env["pos"], live_1)
+        rows.append((f"_run, verify of {n}, steady", us("dec._run(v, pos, live_v)")))
+        rows.append(("_run, decode, steady", us("dec._run(v1, pos, live_1)")))
+    # 400 greedy tokens through generate, steady against every step checked, alternating
+    prompt, plain = ids[:, :8], {"steady": [], "checked": []}
+    checked = StaticDecoder(model, batch_size=1, compile=True)
+    checked._steady = lambda on=True: contextlib.nullcontext()
+    for d in (dec, checked):
+        d.generate(prompt, max_new_tokens=400)
+    for r in range(args.rounds):
+        for name, d in (("steady", dec), ("checked", checked))[::1 if r % 2 == 0 else -1]:
+            t0 = time.perf_counter()
+            d.generate(prompt, max_new_tokens=400)
+            plain[name].append(time.perf_counter() - t0)
     print(f"{args.model}: host cost per call, the step replaced by fixed logits (best of 5 x {args.calls})")
     for name, t in rows:
         print(f"  {name:<40} {t:8.1f} us")
+    a, b = statistics.median(plain["steady"]), statistics.median(plain["checked"])
+    print(f"generate, 400 greedy tokens (median of {args.rounds} alternating): steady {a * 1e3:.1f} ms, "
+          f"every step checked {b * 1e3:.1f} ms: {a / b:.3f}x")
     return 0
 
 

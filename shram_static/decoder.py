@@ -131,6 +131,7 @@ class StaticDecoder(HostDecoder):
         self._frames: dict[str, DirectFrame | None] = {}  # step -> its frame code, called directly
         self._tensors: list[torch.Tensor] | None = None  # every weight and state tensor of the steps
         self._checked: dict[str, list[int]] = {}  # step -> their storages when guards last passed
+        self._held: dict[str, DirectFrame] | None = None  # inside `_steady`: steps already checked there
         if compile and p.device.type == "cpu":  # Inductor's ISA check, beside the first trace
             start_isa_checks()
         if compile:
@@ -182,6 +183,8 @@ class StaticDecoder(HostDecoder):
         args = tokens.to(d), input_pos.to(d), live.to(d)
         if not self.compiled:
             return fn(*args)
+        if self._held and key in self._held:  # checked in this `_steady` window, nothing changed since
+            return self._held[key](*args)
         if self._row_weights:
             stamps = _stamps(self._row_weights)
             if stamps != self._row_stamps:
@@ -201,6 +204,8 @@ class StaticDecoder(HostDecoder):
             return out
         frame = self._frames.get(key)
         if frame is not None and frame.usable():  # what the stance below runs, without its lookup
+            if self._held is not None:
+                self._held[key] = frame
             return frame(*args)
         with _guards_skipped():
             try:
@@ -215,6 +220,23 @@ class StaticDecoder(HostDecoder):
         self._checked[key] = ptrs
         return out
 
+
+    @contextlib.contextmanager
+    def _steady(self, on: bool = True):
+        """Within the block (when `on`), the caller runs no code of its own user's between steps
+        (`generate` without a streamer): no weight or state tensor, stance or Dynamo setting can
+        change, so once a step has passed `_run`'s checks here and runs its frame code directly,
+        its later calls run that frame at once. WHY: the checks (each weight's version and data
+        pointer, every tensor's storage, the frame's cache entry) are host work on every call
+        that only a caller's code between calls could make necessary: 0.84x the time of 400
+        greedy tokens on the built-in model (`python benchmarks/host_costs.py`;
+        docs/performance.md, "Compiled torch")."""
+        held = self._held
+        self._held = {} if on else None
+        try:
+            yield
+        finally:
+            self._held = held
 
 
 def _stamps(weights: list) -> list:

@@ -7,6 +7,8 @@ splitting prompts into fixed-size chunks, and sampling. A backend implements onl
 optionally `_run_last` (a chunk's logits at each row's last live token only).
 """
 
+import contextlib
+
 import numpy as np
 import torch
 from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
@@ -261,6 +263,12 @@ class HostDecoder:
         self._count += live.sum(1)
         return lg[:, :n].float().cpu()
 
+    def _steady(self, on: bool = True):
+        """A context in which the caller runs none of its user's code between steps; a backend
+        may then skip per-call checks that only such code could make necessary (`StaticDecoder`).
+        Here: nothing."""
+        return contextlib.nullcontext()
+
     def _forget(self, n: torch.Tensor) -> None:
         """`rollback` of n (B,) int64 tokens per row already known to be forgettable (checked
         there; `generate` forgets only the rejected guesses of the verify step just run)."""
@@ -406,9 +414,16 @@ class HostDecoder:
                 self._need_full_logits("speculative decoding without a verify step (exported "
                                        "without verify_len)")
             from .speculative import speculative_generate
-            return speculative_generate(self, ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer,
-                                        k, draft)
+            # a streamer is the caller's code between steps: every step is checked then
+            steady = streamer is None
+            with self._steady(steady), draft._steady(steady) if draft is not None else contextlib.nullcontext():
+                return speculative_generate(self, ids, live, max_new_tokens, sample, warp, gen, eos, pad,
+                                            streamer, k, draft)
+        with self._steady(streamer is None):
+            return self._generate(ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer)
 
+    def _generate(self, ids, live, max_new_tokens: int, sample: bool, warp, gen, eos, pad, streamer) -> torch.Tensor:
+        """`generate` without speculation (arguments validated there): (B, max_new_tokens) tokens."""
         self.reset()
         logits = self.prefill(ids, live, last_only=True)  # (B, V)
         out = torch.full((self.batch_size, max_new_tokens), pad, dtype=torch.long)

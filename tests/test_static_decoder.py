@@ -576,3 +576,55 @@ def test_two_compiled_decoders_interleaved_run_their_own_frames():
     for t in range(9):  # decode steps only: one compile per decoder
         for d, i, w in zip(decs, ids, want):
             torch.testing.assert_close(d.decode(i[:, t]), w[:, t], atol=TOL, rtol=0)
+
+
+class _ChangesAWeight:
+    """A streamer that negates a weight in place when the n-th token column arrives (the prompt
+    is put first): the caller's code between two steps of `generate`."""
+
+    def __init__(self, weight: torch.Tensor, n: int):
+        self.weight, self.n, self.puts = weight, n, 0
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == self.n + 1:
+            with torch.no_grad():
+                self.weight.neg_()
+
+    def end(self):
+        pass
+
+
+@pytest.mark.parametrize("speculate", [None, 3])
+def test_generate_checks_each_step_once_unless_a_streamer_runs_between_steps(monkeypatch, speculate):
+    """Without a streamer nothing but `generate` runs between its steps, so a compiled decoder
+    checks its weights (`decoder._stamps`) once per kind of step and call (`StaticDecoder._steady`).
+    With a streamer every step is checked: a weight the streamer changes in place mid-generation
+    is what the next step reads (the tokens equal an eager decoder's under the same streamer,
+    and differ from the unchanged model's)."""
+    from shram_static import decoder as D
+
+    model = randomize_(ShramForCausalLM(random_config(13)), 21).eval()  # the config (and graphs) of the test above
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(21))
+    ids = torch.cat([ids, ids], 1)  # a prompt that repeats: prompt lookup has guesses
+    w = model.model.layers[-1].mlp.down_proj.weight  # a RowLinear's source in the compiled copy
+    kept = w.detach().clone()
+    comp = StaticDecoder(model, compile=True)
+    eager = StaticDecoder(model)
+    calls = []
+    stamps = D._stamps
+    monkeypatch.setattr(D, "_stamps", lambda w: calls.append(1) or stamps(w))
+    plain = comp.generate(ids, max_new_tokens=16, speculate=speculate)
+    calls.clear()
+    assert torch.equal(comp.generate(ids, max_new_tokens=16, speculate=speculate), plain)
+    kinds = 2 if speculate is None else 3  # the prompt's chunks, decode (and verify) steps
+    assert len(calls) == kinds
+    got = comp.generate(ids, max_new_tokens=16, speculate=speculate, streamer=_ChangesAWeight(w, 6))
+    assert len(calls) > kinds + 8  # every step checked
+    with torch.no_grad():
+        w.copy_(kept)
+    want = eager.generate(ids, max_new_tokens=16, speculate=speculate, streamer=_ChangesAWeight(w, 6))
+    with torch.no_grad():
+        w.copy_(kept)
+    assert torch.equal(got, want) and not torch.equal(got, plain)
+    assert torch.equal(got[:, :6], plain[:, :6])
