@@ -12,6 +12,7 @@ speedup over plain decoding they give at a verify step of `--verify-cost` decode
 """
 
 import argparse
+import contextlib
 import math
 import sys
 from unittest import mock
@@ -61,6 +62,9 @@ class Scripted:
 
     def _forget(self, n):  # and for a rollback
         self.n -= int(n.sum())
+
+    def _steady(self, on=True):  # nothing to check between its steps
+        return contextlib.nullcontext()
 
 
 def steps(prompt: list[int], new: list[int], vocab: int, setting, k: int = 4) -> dict:

@@ -93,9 +93,8 @@ def run_prompt(dec, ids: torch.Tensor, n: int, k: int, rounds: int, clock=time.p
         t0 = clock()
         want = dec.generate(ids, max_new_tokens=n)
         t1 = clock()
-        with dec._steady():  # what `generate(speculate=k)` runs, with its step counts kept
-            got = speculative_generate(dec, ids, live, n, False, LogitsProcessorList(), None, None, 0, None, k,
-                                       None, stats)
+        got = speculative_generate(dec, ids, live, n, False, LogitsProcessorList(), None, None, 0, None, k,
+                                   None, stats)  # what generate(speculate=k) runs, its step counts kept
         t2 = clock()
         with dec._steady():
             dec.reset()

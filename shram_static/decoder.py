@@ -220,7 +220,6 @@ class StaticDecoder(HostDecoder):
         self._checked[key] = ptrs
         return out
 
-
     @contextlib.contextmanager
     def _steady(self, on: bool = True):
         """Within the block (when `on`), the caller runs no code of its own user's between steps

@@ -414,11 +414,9 @@ class HostDecoder:
                 self._need_full_logits("speculative decoding without a verify step (exported "
                                        "without verify_len)")
             from .speculative import speculative_generate
-            # a streamer is the caller's code between steps: every step is checked then
-            steady = streamer is None
-            with self._steady(steady), draft._steady(steady) if draft is not None else contextlib.nullcontext():
-                return speculative_generate(self, ids, live, max_new_tokens, sample, warp, gen, eos, pad,
-                                            streamer, k, draft)
+            return speculative_generate(self, ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer,
+                                        k, draft)
+        # a streamer is the caller's code between steps: every step is checked then
         with self._steady(streamer is None):
             return self._generate(ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer)
 

@@ -20,6 +20,8 @@ verify step (`VERIFY_COST` decode steps), probing now and then; a draft decoder 
 token after a fully accepted round and one fewer after a rejection (transformers' heuristic).
 """
 
+import contextlib
+
 import torch
 
 # What a verify step of up to 5 tokens costs, in decode steps, for the gate that decides whether
@@ -156,6 +158,19 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
     Returns:
         (B, max_new_tokens) int64 new tokens.
     """
+    # Without a streamer none of the caller's code runs between steps: each decoder checks
+    # each kind of step once (`StaticDecoder._steady`); a streamer's `put` may change anything.
+    with contextlib.ExitStack() as steady:
+        for d in (dec, draft):
+            if d is not None:
+                steady.enter_context(d._steady(streamer is None))
+        return _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer, speculate,
+                          draft, stats)
+
+
+def _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer, speculate, draft,
+               stats) -> torch.Tensor:
+    """`speculative_generate`'s loop, inside its decoders' `_steady` windows."""
     B = dec.batch_size
     kmax = min(speculate, (dec.verify_len or dec.prefill_chunk) - 1, dec.rollback_limit)
     if draft is not None:
