@@ -3,8 +3,10 @@
 For one model and backend at batch 1 it reports, measured in one process and interleaved
 (plain, speculative, plain, ... so the ratios compare runs seconds apart on a shared machine):
 - the cost of one verify step of `--speculate` + 1 tokens against one decode step (median of
-  alternating calls at the same context), and of a decode step run after another (as plain
-  decoding runs them: taking turns with the verify step costs a decode step time);
+  alternating calls at the same context), through the public methods and as `generate` feeds
+  them (without input checks: the ratio speculation pays per round), and of a decode step run
+  after another (as plain decoding runs them: taking turns with the verify step costs a decode
+  step time);
 - per prompt, greedy tokens/s of plain decoding and of speculative decoding with prompt lookup
   (same tokens, checked), their ratio, guesses kept per verify step, and the k chosen.
 Prompts: "grounded", a passage followed by its opening again (what quoting, editing and
@@ -12,6 +14,7 @@ summarising look like: the continuation is in the prompt), and "free", a two-wor
 """
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -46,17 +49,23 @@ def _decoder(model, backend: str, k: int, stack, chunk: int = 32):
     return load_onnx(export_onnx(model, os.path.join(tmp, "m.onnx"), prefill_chunk=chunk, verify_len=k + 1)["decode"])
 
 
-def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> tuple[float, float, float]:
+def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> dict:
     """Median seconds of a decode step and of a verify step of k + 1 tokens at context ctx,
-    alternating (each rolled back, so both run at the same positions), by `clock`; and of a
-    decode step run after another decode step (what plain decoding runs). The two decode
-    medians differ by what taking turns with the verify step costs (the steps' code and
-    buffers evicting each other from the caches)."""
+    alternating (each rolled back, so both run at the same positions), by `clock`:
+    - "decode", "verify": through the public `decode` / `verify` (input checks included);
+    - "fed_decode", "fed_verify": as `generate`'s loops feed them (`HostDecoder._feed` inside
+      the decoder's steady window: no input checks, each kind of step checked once). A public
+      call's checks cost the same for both steps, which makes their ratio look smaller than
+      what speculation pays per round;
+    - "after_decode": a public decode step run after another decode step (what plain decoding
+      runs). It differs from "decode" by what taking turns with the verify step costs (the
+      steps' code and buffers evicting each other from the caches)."""
     V = dec.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     dec.reset()
     dec.prefill(torch.randint(0, V, (1, ctx), generator=gen), last_only=True)
-    td, tv, ta = [], [], []
+    t = {name: [] for name in ("decode", "verify", "fed_decode", "fed_verify", "after_decode")}
+    one, all_live = torch.ones(1, 1, dtype=torch.bool), torch.ones(1, k + 1, dtype=torch.bool)
     for _ in range(steps):
         ids = torch.randint(0, V, (1, k + 1), generator=gen)
         t0 = clock()
@@ -67,14 +76,54 @@ def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> tu
         dec.verify(ids)
         t3 = clock()
         dec.rollback(k + 1)
-        td.append(t1 - t0)
-        tv.append(t3 - t2)
+        t["decode"].append(t1 - t0)
+        t["verify"].append(t3 - t2)
+        with dec._steady():
+            t0 = clock()
+            dec._feed(ids[:, :1], one)
+            t1 = clock()
+            dec._forget(torch.ones(1, dtype=torch.long))
+            t2 = clock()
+            dec._feed(ids, all_live)
+            t3 = clock()
+            dec._forget(torch.full((1,), k + 1))
+        t["fed_decode"].append(t1 - t0)
+        t["fed_verify"].append(t3 - t2)
     for _ in range(steps):
         t0 = clock()
         dec.decode(ids[:, 0])
-        ta.append(clock() - t0)
+        t["after_decode"].append(clock() - t0)
         dec.rollback(1)
-    return statistics.median(td), statistics.median(tv), statistics.median(ta)
+    return {name: statistics.median(v) for name, v in t.items()}
+
+
+@contextlib.contextmanager
+def _timed_feeds(dec, clock):
+    """Records (tokens per row, seconds) of every step `generate`'s loops feed to `dec` in the
+    block: an instance attribute over `HostDecoder._feed`, removed afterwards."""
+    feeds: list[tuple[int, float]] = []
+    feed = dec._feed
+
+    def timed(ids, live):
+        t0 = clock()
+        out = feed(ids, live)
+        feeds.append((ids.shape[1], clock() - t0))
+        return out
+
+    dec._feed = timed
+    try:
+        yield feeds
+    finally:
+        del dec._feed
+
+
+def _split(feeds: list[tuple[int, float]], total: float) -> dict:
+    """Mean seconds per decode step and per wider (verify) step, and what the loop spent
+    outside them, per step (drafting, acceptance, rollback, picking, bookkeeping)."""
+    one = [s for n, s in feeds if n == 1]
+    wide = [s for n, s in feeds if n > 1]
+    mean = lambda v: sum(v) / len(v) if v else float("nan")
+    return {"decode": mean(one), "verify": mean(wide), "loop": (total - sum(one) - sum(wide)) / max(1, len(feeds))}
 
 
 def run_prompt(dec, ids: torch.Tensor, n: int, k: int, rounds: int, clock=time.perf_counter) -> dict:
@@ -83,18 +132,22 @@ def run_prompt(dec, ids: torch.Tensor, n: int, k: int, rounds: int, clock=time.p
     call, and after the first new token. The time to the first token (the prompt's prefill
     and a pick, the same work in both) is timed on its own in each round and subtracted: a
     streamer noting it would be the caller's code between steps, which makes a compiled
-    decoder check every step (`StaticDecoder._steady`)."""
+    decoder check every step (`StaticDecoder._steady`). Inside both loops every step fed
+    after the first token is timed as well (`_split`, the median round's)."""
     from transformers.generation.logits_process import LogitsProcessorList
 
     from .speculative import speculative_generate
     live = torch.ones_like(ids, dtype=torch.bool)
     plain_s, spec_s, plain_g, spec_g, stats = [], [], [], [], {}
+    splits: dict[str, list] = {"plain": [], "spec": []}
     for _ in range(rounds):
         t0 = clock()
-        want = dec.generate(ids, max_new_tokens=n)
+        with _timed_feeds(dec, clock) as plain_feeds:
+            want = dec.generate(ids, max_new_tokens=n)
         t1 = clock()
-        got = speculative_generate(dec, ids, live, n, False, LogitsProcessorList(), None, None, 0, None, k,
-                                   None, stats)  # what generate(speculate=k) runs, its step counts kept
+        with _timed_feeds(dec, clock) as spec_feeds:
+            got = speculative_generate(dec, ids, live, n, False, LogitsProcessorList(), None, None, 0, None, k,
+                                       None, stats)  # what generate(speculate=k) runs, its step counts kept
         t2 = clock()
         with dec._steady():
             dec.reset()
@@ -106,6 +159,8 @@ def run_prompt(dec, ids: torch.Tensor, n: int, k: int, rounds: int, clock=time.p
         spec_s.append(t2 - t1)
         plain_g.append(t1 - t0 - first)
         spec_g.append(t2 - t1 - first)
+        splits["plain"].append((t1 - t0 - first, _split(plain_feeds, t1 - t0 - first)))
+        splits["spec"].append((t2 - t1 - first, _split(spec_feeds, t2 - t1 - first)))
     p, s = statistics.median(plain_s), statistics.median(spec_s)
     pg, sg = statistics.median(plain_g), statistics.median(spec_g)
     ks = stats["k"]
@@ -114,13 +169,13 @@ def run_prompt(dec, ids: torch.Tensor, n: int, k: int, rounds: int, clock=time.p
             "verify_steps": stats["rounds"],
             "decode_steps": stats["decodes"], "kept_per_verify": stats["accepted"] / max(1, stats["rounds"]),
             "tokens_per_step": n / max(1, stats["rounds"] + stats["decodes"]),
-            "k_mean": sum(ks) / max(1, len(ks))}
+            "k_mean": sum(ks) / max(1, len(ks)),
+            **{f"{side}_{key}": v for side, runs in splits.items()
+               for key, v in sorted(runs, key=lambda r: r[0])[len(runs) // 2][1].items()}}
 
 
 def bench_speculative(args) -> int:
     """The `bench-speculative` subcommand."""
-    import contextlib
-
     from .bench import build_model
     from .tokenizer import ByteTokenizer
 
@@ -137,10 +192,12 @@ def bench_speculative(args) -> int:
         dec.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
         dec.generate(torch.tensor([[1, 2, 3, 1, 2]]), max_new_tokens=4, speculate=k)
         step_costs(dec, k, min(64, args.context), 3)
-        td, tv, ta = step_costs(dec, k, args.context, args.steps, clock)
-        print(f"{args.model} {args.backend}: decode step {td * 1e3:.2f} ms, verify step of {k + 1} tokens "
-              f"{tv * 1e3:.2f} ms: verify / decode = {tv / td:.2f} (context {args.context}); "
-              f"a decode step after a decode step {ta * 1e3:.2f} ms")
+        c = step_costs(dec, k, args.context, args.steps, clock)
+        print(f"{args.model} {args.backend}: decode step {c['decode'] * 1e3:.2f} ms, verify step of {k + 1} "
+              f"tokens {c['verify'] * 1e3:.2f} ms: verify / decode = {c['verify'] / c['decode']:.2f} "
+              f"(context {args.context}); as generate feeds them {c['fed_decode'] * 1e3:.2f} vs "
+              f"{c['fed_verify'] * 1e3:.2f} ms = {c['fed_verify'] / c['fed_decode']:.2f}; a decode step "
+              f"after a decode step {c['after_decode'] * 1e3:.2f} ms")
         if args.model == "bench" and not args.prompts:
             return 0
         tok = ByteTokenizer()
@@ -152,7 +209,10 @@ def bench_speculative(args) -> int:
                   f"after the first token {r['plain_gen_tok_s']:.0f} vs {r['spec_gen_tok_s']:.0f} tok/s = "
                   f"{r['gen_speedup']:.2f}x; {r['verify_steps']} verify "
                   f"+ {r['decode_steps']} decode steps, {r['kept_per_verify']:.2f} guesses kept per verify, "
-                  f"{r['tokens_per_step']:.2f} tokens per step, mean k {r['k_mean']:.2f}")
+                  f"{r['tokens_per_step']:.2f} tokens per step, mean k {r['k_mean']:.2f}; inside the loops, "
+                  f"plain: decode steps {r['plain_decode'] * 1e3:.3f} ms + {r['plain_loop'] * 1e3:.3f} ms "
+                  f"around each; speculative: verify steps {r['spec_verify'] * 1e3:.3f} ms, decode steps "
+                  f"{r['spec_decode'] * 1e3:.3f} ms, {r['spec_loop'] * 1e3:.3f} ms around each")
     return 0
 
 

@@ -4,6 +4,7 @@ the target's distribution unchanged, prompt lookup finds what a plain n-gram sea
 bad arguments raise before anything runs."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from helpers import DATA, golden_case, load_benchmark, random_ids, random_model, tiny_model
 from shram_static import StaticDecoder
 from shram_static.cli import main
-from shram_static.speculative import LOOKUP_NGRAMS, PromptLookup, _accept
+from shram_static.speculative import LOOKUP_NGRAMS, PromptLookup, _accept, speculative_generate
 
 
 @pytest.fixture(scope="module")
@@ -179,12 +180,40 @@ def test_bench_speculative_command_reports_both_prompts(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert "prefill chunk 8:" in err
     assert "verify / decode = " in out and "a decode step after a decode step " in out
+    assert "as generate feeds them " in out
     for name in ("grounded", "free"):
         line = next(ln for ln in out.splitlines() if ln.startswith(name))
         assert "24 new" in line and "after the first token" in line and "tokens per step" in line
+        assert "inside the loops, plain: decode steps " in line and " around each" in line
     with pytest.raises(SystemExit) as e:
         main(["bench-speculative", "--model", path, "--speculate", "0"])
     assert e.value.code == 2 and "expected a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_bench_speculative_times_every_fed_step_and_leaves_the_decoder_as_it_was():
+    """The benchmark's timer over `_feed` sees each step `generate` feeds (one per token after
+    the first for plain greedy; the verify and decode steps speculation counts), and is gone
+    afterwards, also when the block raises."""
+    from shram_static.bench_speculative import _split, _timed_feeds
+    dec = StaticDecoder(tiny_model(num_decoder_layers=1), batch_size=1, prefill_chunk=4, verify_len=4)
+    ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
+    with _timed_feeds(dec, time.perf_counter) as feeds:
+        dec.generate(ids, max_new_tokens=9)
+    assert [n for n, _ in feeds] == [1] * 8 and all(s > 0 for _, s in feeds)
+    st = {}
+    draft = StaticDecoder(tiny_model(num_decoder_layers=1), batch_size=1, prefill_chunk=4, verify_len=4)
+    with _timed_feeds(dec, time.perf_counter) as feeds:  # a draft decoder guesses every round
+        speculative_generate(dec, ids, torch.ones_like(ids, dtype=torch.bool), 9, False, LogitsProcessorList(),
+                             None, None, 0, None, 3, draft, st)
+    assert st["rounds"] > 0 and sum(n > 1 for n, _ in feeds) == st["rounds"]
+    assert sum(n == 1 for n, _ in feeds) == st["decodes"]
+    assert "_feed" not in vars(dec)
+    with pytest.raises(ZeroDivisionError), _timed_feeds(dec, time.perf_counter):
+        1 / 0
+    assert "_feed" not in vars(dec)
+    sp = _split([(1, 0.2), (4, 0.5), (1, 0.4)], 1.6)
+    assert sp["decode"] == pytest.approx(0.3) and sp["verify"] == pytest.approx(0.5)
+    assert sp["loop"] == pytest.approx(0.5 / 3)
 
 
 def test_prompt_lookup_replay_counts_the_steps_of_speculative_generate():
