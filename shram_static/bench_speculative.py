@@ -138,8 +138,8 @@ def run_prompt(dec, ids: torch.Tensor, n: int, k: int, rounds: int, clock=time.p
 
     from .speculative import speculative_generate
     live = torch.ones_like(ids, dtype=torch.bool)
-    plain_s, spec_s, plain_g, spec_g, stats = [], [], [], [], {}
-    splits: dict[str, list] = {"plain": [], "spec": []}
+    plain_s, spec_s, stats = [], [], {}
+    gens: dict[str, list] = {"plain": [], "spec": []}  # (seconds after the first token, `_split`)
     for _ in range(rounds):
         t0 = clock()
         with _timed_feeds(dec, clock) as plain_feeds:
@@ -157,12 +157,11 @@ def run_prompt(dec, ids: torch.Tensor, n: int, k: int, rounds: int, clock=time.p
             raise RuntimeError("speculative greedy tokens differ from plain greedy decoding's")
         plain_s.append(t1 - t0)
         spec_s.append(t2 - t1)
-        plain_g.append(t1 - t0 - first)
-        spec_g.append(t2 - t1 - first)
-        splits["plain"].append((t1 - t0 - first, _split(plain_feeds, t1 - t0 - first)))
-        splits["spec"].append((t2 - t1 - first, _split(spec_feeds, t2 - t1 - first)))
+        gens["plain"].append((t1 - t0 - first, _split(plain_feeds, t1 - t0 - first)))
+        gens["spec"].append((t2 - t1 - first, _split(spec_feeds, t2 - t1 - first)))
     p, s = statistics.median(plain_s), statistics.median(spec_s)
-    pg, sg = statistics.median(plain_g), statistics.median(spec_g)
+    mid = {side: sorted(runs, key=lambda r: r[0])[len(runs) // 2] for side, runs in gens.items()}
+    pg, sg = (statistics.median(r[0] for r in gens[side]) for side in ("plain", "spec"))
     ks = stats["k"]
     return {"plain_tok_s": n / p, "spec_tok_s": n / s, "speedup": p / s,
             "plain_gen_tok_s": (n - 1) / pg, "spec_gen_tok_s": (n - 1) / sg, "gen_speedup": pg / sg,
@@ -170,8 +169,7 @@ def run_prompt(dec, ids: torch.Tensor, n: int, k: int, rounds: int, clock=time.p
             "decode_steps": stats["decodes"], "kept_per_verify": stats["accepted"] / max(1, stats["rounds"]),
             "tokens_per_step": n / max(1, stats["rounds"] + stats["decodes"]),
             "k_mean": sum(ks) / max(1, len(ks)),
-            **{f"{side}_{key}": v for side, runs in splits.items()
-               for key, v in sorted(runs, key=lambda r: r[0])[len(runs) // 2][1].items()}}
+            **{f"{side}_{key}": v for side, (_, split) in mid.items() for key, v in split.items()}}
 
 
 def bench_speculative(args) -> int:

@@ -197,9 +197,10 @@ def _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, stre
     if streamer is not None:
         streamer.put(ids)
 
-    def seen(b: int) -> torch.Tensor:
-        """(t,) the tokens row b produced so far (what the logits warpers see when sampling)."""
-        return torch.tensor(rows[b], dtype=torch.long)
+    def seen(b: int) -> torch.Tensor | None:
+        """(t,) the tokens row b produced so far, what the logits warpers see when sampling;
+        None when greedy (nothing reads them, and building the tensor costs a few us)."""
+        return torch.tensor(rows[b], dtype=torch.long) if sample else None
 
     def emit(b: int, toks: list[int]) -> None:
         """Appends a row's new tokens, up to its EOS or max_new_tokens."""
@@ -238,7 +239,7 @@ def _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, stre
                 dl = _feed_last(draft, feed)  # (B, V)
                 for b in range(B):
                     if i < room[b]:
-                        t, p = _pick(dl[b], warp, seen(b) if sample else None, sample, gen)
+                        t, p = _pick(dl[b], warp, seen(b), sample, gen)
                         drafts[b].append(int(t))
                         q[b].append(p)
                 feed = [[drafts[b][-1]] if i + 1 < room[b] else [] for b in range(B)]
@@ -253,7 +254,7 @@ def _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, stre
             st["decodes"] += 1
             for b in range(B):
                 if not done[b]:
-                    t, _ = _pick(logits[b], warp, seen(b) if sample else None, sample, gen)
+                    t, _ = _pick(logits[b], warp, seen(b), sample, gen)
                     emit(b, [int(t)])
                     pending[b].append(int(t))  # the draft was not fed this round
             continue
@@ -272,7 +273,7 @@ def _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, stre
                 continue
             d = drafts[b]
             toks = _accept(vl[b, :len(d) + 1], d, q[b] if draft is not None and sample else None, warp,
-                           seen(b) if sample else None, sample, gen)
+                           seen(b), sample, gen)
             a = len(toks) - 1  # guesses kept
             st["accepted"] += a
             st["proposed"] += len(d)
