@@ -22,6 +22,47 @@ import tempfile
 import time
 
 import numpy as np
+import torch
+
+
+def decode_loop(dec, prompt: torch.Tensor):
+    """A function running one decode step of `dec` (`HostDecoder`) after `prompt` (B, N) is
+    prefilled, prefilling it again whenever a row nears capacity."""
+    tok = torch.zeros(dec.batch_size, dtype=torch.long)
+    dec.prefill(prompt, last_only=True)
+
+    def step():
+        dec.decode(tok)
+        if dec.capacity - int(dec.live_counts.max()) < 2:
+            dec.reset()
+            dec.prefill(prompt, last_only=True)
+    return step
+
+
+def interleaved(runs: list, rounds: int, steps: int) -> tuple[dict, float, list]:
+    """Times each (name, fn) of `runs` for `steps` calls per turn (after 3 untimed), all of them
+    each round, the order reversed every other round, with the read bandwidth
+    (`readings.measure_bandwidth`) measured after each round.
+
+    Returns:
+        ({name: median ms per call}, median bandwidth in bytes/s, the bandwidth readings).
+    """
+    from shram_static.readings import measure_bandwidth
+
+    def ms(fn) -> float:
+        for _ in range(3):
+            fn()
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        return (time.perf_counter() - t) / steps * 1e3
+
+    times, bw = {name: [] for name, _ in runs}, []
+    for r in range(rounds):
+        for name, fn in runs if r % 2 == 0 else reversed(runs):
+            times[name].append(ms(fn))
+        bw.append(measure_bandwidth())
+    return {name: statistics.median(v) for name, v in times.items()}, statistics.median(bw), bw
 
 
 def matmul_graph(path: str, out_path: str) -> tuple[int, int]:
@@ -70,10 +111,8 @@ def main(argv=None) -> int:
     if bool(args.path) == bool(args.model):
         p.error("give either an exported m.onnx or --model")
     import onnxruntime as ort
-    import torch
 
     from shram_static.export import load_onnx
-    from shram_static.readings import measure_bandwidth
 
     tmp = tempfile.TemporaryDirectory()
     path, decoders = args.path, []
@@ -92,35 +131,11 @@ def main(argv=None) -> int:
     sess = ort.InferenceSession(mm_path, providers=["CPUExecutionProvider"])
     feed = {i.name: np.ones(i.shape, np.float32) for i in sess.get_inputs()}
     decoders.append(("onnx", load_onnx(path)))
-    tok = torch.zeros(decoders[0][1].batch_size, dtype=torch.long)
     prompt = torch.zeros(decoders[0][1].batch_size, 64, dtype=torch.long)
-    for _, dec in decoders:
-        dec.prefill(prompt, last_only=True)
 
-    def stepper(dec):
-        def step():
-            dec.decode(tok)
-            if dec.capacity - int(dec.live_counts.max()) < 2:
-                dec.reset()
-                dec.prefill(prompt, last_only=True)
-        return step
-
-    def ms(fn) -> float:
-        for _ in range(3):
-            fn()
-        t = time.perf_counter()
-        for _ in range(args.steps):
-            fn()
-        return (time.perf_counter() - t) / args.steps * 1e3
-
-    runs = [(name, stepper(dec)) for name, dec in decoders] + [("matmuls", lambda: sess.run(None, feed))]
-    times, bw = {name: [] for name, _ in runs}, []
-    for r in range(args.rounds):
-        for name, fn in runs if r % 2 == 0 else reversed(runs):
-            times[name].append(ms(fn))
-        bw.append(measure_bandwidth())
-    t = {name: statistics.median(v) for name, v in times.items()}
-    o, f, b = t["matmuls"], t["onnx"], statistics.median(bw)
+    runs = [(name, decode_loop(dec, prompt)) for name, dec in decoders] + [("matmuls", lambda: sess.run(None, feed))]
+    t, b, bw = interleaved(runs, args.rounds, args.steps)
+    o, f = t["matmuls"], t["onnx"]
     floor = nbytes / b * 1e3
     print(f"{count} weight matmuls, {nbytes / 1e6:.1f} MB; read bandwidth {b / 1e9:.1f} GB/s (median of "
           f"{len(bw)}): their floor {floor:.2f} ms")

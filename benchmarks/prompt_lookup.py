@@ -8,6 +8,11 @@ at each position. It prints, per prompt and setting, the verify and decode steps
 speedup over plain decoding they give at a verify step of `--verify-cost` decode steps
 (measured by `shram-static bench-speculative`; docs/performance.md, "Speculative decoding").
 
+It ends with what choosing each round's guesses perfectly would reach: an oracle that knows,
+before each round, how many of prompt lookup's guesses the target will keep, verifies exactly
+those (a verify step of w tokens costing 1 + (verify cost - 1) (w - 1) / k decode steps, the
+cost growing linearly with the tokens) and decodes plainly when none would be kept.
+
     python benchmarks/prompt_lookup.py [--model builtin|DIR] [--tokens 400] [--verify-cost 1.55] [--speculate 4]
 """
 
@@ -93,6 +98,29 @@ def steps(prompt: list[int], new: list[int], vocab: int, setting, k: int = 4) ->
     return st
 
 
+def oracle_cost(prompt: list[int], new: list[int], verify_cost: float, k: int = 4) -> tuple[float, int, int]:
+    """(decode-step equivalents, verify steps, decode steps) for `new` after `prompt` when each
+    round verifies exactly the guesses of the package's lookup that the target keeps (see the
+    module docstring)."""
+    from shram_static.speculative import LOOKUP_NGRAMS, PromptLookup
+
+    lk = PromptLookup(*LOOKUP_NGRAMS)
+    lk.extend(prompt + new[:1])
+    t, cost, rounds, decodes = 1, 0.0, 0, 0
+    while t < len(new):
+        guess = lk.propose(min(k, len(new) - t - 1))
+        a = 0  # guesses the target keeps: those equal to its greedy tokens
+        while a < len(guess) and guess[a] == new[t + a]:
+            a += 1
+        if a:
+            cost, rounds = cost + 1 + (verify_cost - 1) * a / k, rounds + 1
+        else:
+            cost, decodes = cost + 1, decodes + 1
+        lk.extend(new[t:t + a + 1])
+        t += a + 1
+    return cost, rounds, decodes
+
+
 def main(argv=None) -> int:
     from shram_static.arguments import positive_int
 
@@ -128,6 +156,13 @@ def main(argv=None) -> int:
             logs.append(math.log(x))
             print(f"  {name:32s} verify {st['rounds']:3d}  decode {st['decodes']:3d}  -> {x:.2f}x plain")
         print(f"  geometric mean {math.exp(sum(logs) / len(logs)):.3f}x")
+    print("an oracle verifying exactly the guesses each round keeps")
+    logs = []
+    for name, (p, g) in runs.items():
+        cost, rounds, decodes = oracle_cost(p, g, args.verify_cost, args.speculate)
+        logs.append(math.log((len(g) - 1) / cost))
+        print(f"  {name:32s} verify {rounds:3d}  decode {decodes:3d}  -> {(len(g) - 1) / cost:.2f}x plain")
+    print(f"  geometric mean {math.exp(sum(logs) / len(logs)):.3f}x")
     return 0
 
 

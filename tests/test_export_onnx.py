@@ -307,3 +307,19 @@ def test_matmul_only_graph_of_the_benchmark(builtin, tmp_path):
     # each node's output summed: ones @ W sums to W's sum (transposed or not)
     want_sums = np.array([inits[n.input[1]].sum(dtype=np.float64) for n in want])
     np.testing.assert_allclose(got.reshape(-1), want_sums, rtol=1e-4, atol=1e-3)
+
+
+def test_benchmarks_time_each_run_in_alternating_rounds(monkeypatch):
+    """`onnx_matmuls.interleaved` (which `pte_linears.py` shares) calls every run `steps` + 3
+    times per round, reverses the order every other round and reads the bandwidth after each
+    round."""
+    from shram_static import readings
+
+    mod = load_benchmark("onnx_matmuls")
+    calls, readings_taken = [], []
+    monkeypatch.setattr(readings, "measure_bandwidth", lambda: readings_taken.append(1) or 4e10)
+    runs = [(name, lambda name=name: calls.append(name)) for name in ("a", "b")]
+    times, bw, all_bw = mod.interleaved(runs, rounds=3, steps=2)
+    assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
+    assert bw == 4e10 and all_bw == [4e10] * 3 and len(readings_taken) == 3
+    assert calls == ["a"] * 5 + ["b"] * 5 + ["b"] * 5 + ["a"] * 5 + ["a"] * 5 + ["b"] * 5

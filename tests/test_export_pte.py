@@ -610,3 +610,34 @@ def test_rollback_and_speculation_without_a_verify_method(builtin):
             d.rollback(3)
     assert (dec.decode(torch.tensor([33])) - ref.decode(torch.tensor([33]))).abs().max() < 1e-4
     assert torch.equal(dec.generate(ids, max_new_tokens=24, speculate=3), ref.generate(ids, max_new_tokens=24))
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_linear_only_program_of_the_benchmark(quantize):
+    """`benchmarks/pte_linears.py` lowers a program of the exported step's linear layers alone:
+    every nn.Linear of the export copy (the fused experts included), quantized as `export_pte`
+    quantizes, counted at their stored bytes, each output's mean as the module
+    computes it; and its op chains run the ops they count."""
+    from executorch.runtime import Runtime
+
+    from helpers import load_benchmark
+    from shram_static.export.common import export_copy
+
+    bench = load_benchmark("pte_linears")
+    model = tiny_model(num_decoder_layers=1)
+    linears, nbytes = bench.linear_layers(model, quantize)
+    plain = [m for m in export_copy(model).modules() if isinstance(m, torch.nn.Linear)]
+    assert [lin.weight.shape for lin in linears] == [lin.weight.shape for lin in plain]
+    weights = sum(lin.weight.numel() for lin in plain)
+    scales = sum(lin.out_features for lin in plain)  # one per output channel
+    assert nbytes == (4 * weights if quantize is None else weights + scales * 4 + scales)  # int8 zero points
+    buf, xs = bench.lower_linears(linears)
+    got = Runtime.get().load_program(buf).load_method("forward").execute(xs)[0]
+    with torch.no_grad():
+        want = bench.Linears(linears)(*xs)
+    assert got.shape == (len(linears),)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    if quantize is None:
+        for name, (method, _), x, ops in bench.op_chains(20):
+            assert ops == 20, name
+            assert method.execute(x)[0].shape == x[0].shape

@@ -233,6 +233,17 @@ def test_prompt_lookup_replay_counts_the_steps_of_speculative_generate():
         assert max(st["k"]) == k and st["accepted"] <= k * st["rounds"]
 
 
+def test_prompt_lookup_oracle_verifies_exactly_the_kept_guesses():
+    """`benchmarks/prompt_lookup.py`'s bound: each round verifies only the guesses the target
+    keeps, at a cost linear in the tokens, and decodes when it would keep none."""
+    bench = load_benchmark("prompt_lookup")
+    prompt = [1, 2, 3, 4, 5, 6]
+    # (6, 1) was never seen: a decode; then (1, 2) proposes 3, 4, 5 (room 3), all kept
+    assert bench.oracle_cost(prompt, [1, 2, 3, 4, 5, 7], 1.8) == pytest.approx((1 + 1 + 0.8 * 3 / 4, 1, 1))
+    # the same, but only 3 is kept: a 2-token verify step, then 9 and 5 decoded
+    assert bench.oracle_cost(prompt, [1, 2, 3, 9, 5, 7], 1.8) == pytest.approx((1 + (1 + 0.8 / 4) + 1 + 1, 1, 3))
+
+
 def test_a_last_token_export_without_a_verify_step_refuses_to_verify(pair):
     """A decoder whose prefill step returns only the last token's logits (an export without
     `full_logits`) and that has no verify step cannot verify guesses: `verify` and speculative
