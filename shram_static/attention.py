@@ -65,13 +65,13 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     # (its XNNPACK partitioner does not take expand_copy).
     q3, k3, v3 = q.reshape(-1, Q, u), k.reshape(-1, S, u), v.reshape(-1, S, u)  # same leading dims
     mm = small_bmm if small and Q > 1 else torch.bmm  # one query: Inductor fuses the bmm itself
-    # WHY the smaller side transposed: a transpose is a whole-tensor copy in the XNNPACK delegate
-    # (bmm has no transposed-operand form there), so one query per row (decode, every sparse
-    # query) computes (k q^T)^T and copies Q*S scores instead of the S*u keys.
-    if Q < u and mm is torch.bmm:
-        s = torch.bmm(k3, q3.transpose(1, 2)).transpose(1, 2)  # (N, Q, S)
-    else:
-        s = mm(q3, k3.transpose(1, 2))
+    # WHY q k^T even for one query, though k^T is a copy of the keys in the XNNPACK delegate (its
+    # bmm has no transposed operand): the other way round, (k q^T)^T copies only the Q*S
+    # scores, but XNNPACK's bmm with a one-column right operand took twice as long as the key
+    # copy and this product together (the bench model's decode attention alone 0.97 -> 0.57 ms;
+    # its `.pte` decode step 0.96-0.98x fp32, 0.94-0.98x int8; Inductor's code is the same
+    # either way: docs/performance.md).
+    s = mm(q3, k3.transpose(1, 2))  # (N, Q, S)
     s = s.view(*lead, Q, S) * scale + bias  # (..., Q, S)
     a = torch.softmax(s, dim=-1)
     if seen is not None:

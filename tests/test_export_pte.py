@@ -225,6 +225,26 @@ def test_graph_ops(builtin):
         assert share <= rec["share"] + 0.005, f"{method}: portable share {share:.3f} (recorded {rec['share']})"
 
 
+def test_no_product_of_one_column(builtin):
+    """No delegated bmm multiplies by a one-column matrix: XNNPACK ran the scores of a query
+    against its keys as (k q^T)^T twice as slow as q k^T with the keys' transpose (the bench
+    model's `.pte` decode step 0.96-0.98x; `masked_attention`)."""
+    from executorch.exir.lowered_backend_module import LoweredBackendModule
+
+    et = builtin[1]
+    products = 0
+    for method in RECORDED:
+        for _, mod in et.exported_program(method).graph_module.named_children():
+            if not isinstance(mod, LoweredBackendModule):
+                continue
+            for node in mod.original_module.graph.nodes:
+                if node.op == "call_function" and "bmm" in str(node.target):
+                    products += 1
+                    a, b = (x.meta["val"].shape for x in node.args[:2])
+                    assert b[-1] > 1, f"{method}: bmm {tuple(a)} x {tuple(b)} of one column"
+    assert products  # the attention's products are delegated
+
+
 def test_no_delegate_copies_a_weight_or_cache(builtin):
     """No XNNPACK delegate reshapes, slices or transposes a weight, a state buffer or a cache
     write's output: inside a delegate each of those is a copy of the whole tensor per call (the
