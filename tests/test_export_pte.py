@@ -9,6 +9,8 @@ checked on the shared program of one golden case (golden logits, and chunks with
 against StaticDecoder); batched prefill with left padding on every other backend, ONNX included.
 """
 
+import collections
+import contextlib
 import json
 import os
 import warnings
@@ -661,3 +663,38 @@ def test_linear_only_program_of_the_benchmark(quantize):
         for name, (method, _), x, ops in bench.op_chains(20):
             assert ops == 20, name
             assert method.execute(x)[0].shape == x[0].shape
+
+
+def test_parts_benchmark_takes_out_each_part():
+    """`benchmarks/pte_parts.py` exports the decode step with one part taken out: each variant's
+    program lacks what that part runs (so a patch that stopped applying cannot report a part as
+    free)."""
+    from executorch.exir.lowered_backend_module import LoweredBackendModule
+
+    from helpers import load_benchmark
+
+    bench = load_benchmark("pte_parts")
+    model = tiny_model(num_decoder_layers=1)
+
+    def ops(part):
+        with bench.PARTS[part]() if part else contextlib.nullcontext():
+            et = lower_program(model, prefill_chunk=None, parallel=False)
+        delegated = collections.Counter()
+        for _, mod in et.exported_program("forward").graph_module.named_children():
+            if isinstance(mod, LoweredBackendModule):
+                # an edge op prints as "<EdgeOpOverload: aten.sqrt.default>: schema = ..."
+                delegated.update(str(n.target).split(">")[0].split(".")[1]
+                                 for n in mod.original_module.graph.nodes if n.op == "call_function")
+        return program_ops(et, "forward")["kernels"], delegated
+
+    kernels, delegated = ops(None)
+    assert "aten::index_select.out" in kernels and "aten::topk.values" in kernels
+    assert delegated["sqrt"] > 0 and delegated["_softmax"] == 2  # entmax; both attentions
+    k, d = ops("attention")
+    assert d["_softmax"] == 0 and d["bmm"] < delegated["bmm"] and "aten::index_select.out" not in k
+    k, d = ops("gathers")
+    assert "aten::index_select.out" not in k and d["_softmax"] == 2
+    k, d = ops("routing")
+    assert "aten::topk.values" not in k and d["sqrt"] == 0
+    k, d = ops("entmax")
+    assert "aten::topk.values" in k and d["sqrt"] == 0 and d["_softmax"] == 3
