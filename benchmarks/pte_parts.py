@@ -32,6 +32,7 @@ def _first_k(h, routing_weight, live, start, taken, k, small=False, fused=False)
     """`routing.route` with every token at experts 0..K-1, weighted by a softmax of their logits."""
     B, C, _ = h.shape
     z = torch.nn.functional.linear(h.float(), routing_weight)  # (B, C, L)
+    # + 0 * live: a tensor of its own per step, not an expanded constant (an expand_copy kernel)
     idx = torch.arange(k, device=h.device).expand(B, C, k) + 0 * live[..., None].long()  # (B, C, K)
     return idx, torch.softmax(z[..., :k], dim=-1)
 
