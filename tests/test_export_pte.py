@@ -227,23 +227,30 @@ def test_graph_ops(builtin):
         assert share <= rec["share"] + 0.005, f"{method}: portable share {share:.3f} (recorded {rec['share']})"
 
 
+def delegated_ops(et, method: str):
+    """(op name, node) of every op inside the method's XNNPACK delegates, e.g. ("bmm", node)."""
+    from executorch.exir.lowered_backend_module import LoweredBackendModule
+
+    for _, mod in et.exported_program(method).graph_module.named_children():
+        if isinstance(mod, LoweredBackendModule):
+            for node in mod.original_module.graph.nodes:
+                if node.op == "call_function":
+                    # an edge op prints as "<EdgeOpOverload: aten.sqrt.default>: schema = ..."
+                    yield str(node.target).split(">")[0].split(".")[1], node
+
+
 def test_no_product_of_one_column(builtin):
     """No delegated bmm multiplies by a one-column matrix: XNNPACK ran the scores of a query
     against its keys as (k q^T)^T twice as slow as q k^T with the keys' transpose (the bench
     model's `.pte` decode step 0.96-0.98x; `masked_attention`)."""
-    from executorch.exir.lowered_backend_module import LoweredBackendModule
-
     et = builtin[1]
     products = 0
     for method in RECORDED:
-        for _, mod in et.exported_program(method).graph_module.named_children():
-            if not isinstance(mod, LoweredBackendModule):
-                continue
-            for node in mod.original_module.graph.nodes:
-                if node.op == "call_function" and "bmm" in str(node.target):
-                    products += 1
-                    a, b = (x.meta["val"].shape for x in node.args[:2])
-                    assert b[-1] > 1, f"{method}: bmm {tuple(a)} x {tuple(b)} of one column"
+        for name, node in delegated_ops(et, method):
+            if name == "bmm":
+                products += 1
+                a, b = (x.meta["val"].shape for x in node.args[:2])
+                assert b[-1] > 1, f"{method}: bmm {tuple(a)} x {tuple(b)} of one column"
     assert products  # the attention's products are delegated
 
 
@@ -669,8 +676,6 @@ def test_parts_benchmark_takes_out_each_part():
     """`benchmarks/pte_parts.py` exports the decode step with one part taken out: each variant's
     program lacks what that part runs (so a patch that stopped applying cannot report a part as
     free)."""
-    from executorch.exir.lowered_backend_module import LoweredBackendModule
-
     from helpers import load_benchmark
 
     bench = load_benchmark("pte_parts")
@@ -679,12 +684,7 @@ def test_parts_benchmark_takes_out_each_part():
     def ops(part):
         with bench.PARTS[part]() if part else contextlib.nullcontext():
             et = lower_program(model, prefill_chunk=None, parallel=False)
-        delegated = collections.Counter()
-        for _, mod in et.exported_program("forward").graph_module.named_children():
-            if isinstance(mod, LoweredBackendModule):
-                # an edge op prints as "<EdgeOpOverload: aten.sqrt.default>: schema = ..."
-                delegated.update(str(n.target).split(">")[0].split(".")[1]
-                                 for n in mod.original_module.graph.nodes if n.op == "call_function")
+        delegated = collections.Counter(name for name, _ in delegated_ops(et, "forward"))
         return program_ops(et, "forward")["kernels"], delegated
 
     kernels, delegated = ops(None)
