@@ -260,8 +260,6 @@ def test_no_delegate_copies_a_weight_or_cache(builtin):
     fused expert weights would be without `shram_static.export.partition`, and the written caches
     without `written_cache_views_pass`);
     outside one, a reshape is a free view."""
-    from executorch.exir.lowered_backend_module import LoweredBackendModule
-
     et = builtin[1]
     copies = ("view_copy", "slice_copy", "permute_copy", "expand_copy")
     checked = 0
@@ -272,15 +270,11 @@ def test_no_delegate_copies_a_weight_or_cache(builtin):
         buffers = set(top.graph_signature.inputs_to_buffers)
         # a cache write's output enters a delegate under the write's pre-reinplace node name
         written = lambda name: name in buffers or name.startswith("aten_index_put")  # noqa: E731
-        for _, mod in top.graph_module.named_children():
-            if not isinstance(mod, LoweredBackendModule):
-                continue
-            for node in mod.original_module.graph.nodes:
-                src = node.args[0] if node.op == "call_function" and node.args else None
-                if isinstance(src, torch.fx.Node) and src.op == "placeholder" and (src.name in weights or written(src.name)):
-                    checked += src.name in weights
-                    assert not any(c in getattr(node.target, "__name__", "") for c in copies), \
-                        f"{method}: a delegate copies {src.name} {tuple(src.meta['val'].shape)}"
+        for name, node in delegated_ops(et, method):
+            src = node.args[0] if node.args else None
+            if isinstance(src, torch.fx.Node) and src.op == "placeholder" and (src.name in weights or written(src.name)):
+                checked += src.name in weights
+                assert name not in copies, f"{method}: a delegate copies {src.name} {tuple(src.meta['val'].shape)}"
     assert checked  # delegates read weights
 
 
