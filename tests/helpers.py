@@ -101,6 +101,19 @@ def random_model(seed: int, **overrides) -> ShramForCausalLM:
     return randomize_(ShramForCausalLM(random_config(seed, **overrides)), seed).eval()
 
 
+# The config of the batch-1 compiled-decoder tests (test_scratch.py, test_static_decoder.py):
+# their steps are the same graphs whatever the weights, so Inductor compiles them once and later
+# tests load them from its cache. WHY: with a cold cache (a fresh CI machine) each config's
+# prefill, decode and verify steps cost ~30 s of the suite.
+COMPILED_CONFIG_SEED = 11
+
+
+def compiled_test_model(seed: int) -> ShramForCausalLM:
+    """A model of `random_config(COMPILED_CONFIG_SEED)` (one layer, 12 experts of which 3 are
+    selected, tied embeddings, YaRN-extended), its weights drawn from `seed`, in eval mode."""
+    return randomize_(ShramForCausalLM(random_config(COMPILED_CONFIG_SEED)), seed).eval()
+
+
 # The export tests' model: the shape of the first built-in model (byte vocabulary, d=64, 2 layers,
 # 8 experts of which 2 are selected, window 16, capacity 256), independent of whatever the
 # package ships as its built-in model, so lowering time and recorded op counts stay put.

@@ -16,9 +16,9 @@ import threading
 
 import pytest
 import torch
-from helpers import randomize_, random_config
+from helpers import compiled_test_model
 
-from shram_static import ShramForCausalLM, StaticDecoder, scratch
+from shram_static import StaticDecoder, scratch
 from shram_static.accelerators import STOCK_ENV, enabled
 
 pytestmark = pytest.mark.skipif(not enabled("persistent_scratch"),
@@ -120,16 +120,6 @@ def test_rewrite_leaves_a_module_without_source_alone():
     assert scratch.hoist_scratch(mod) == 0 and mod.call.__code__ is code
 
 
-CONFIG_SEED = 11
-
-
-def _model(seed=11):
-    """One config for every test here (and `STOCK_SCRIPT`), its weights drawn from `seed`: the
-    steps are the same graphs, compiled once and then loaded from Inductor's cache (cold, each
-    config's steps cost ~40 s of the suite)."""
-    return randomize_(ShramForCausalLM(random_config(CONFIG_SEED)), seed).eval()
-
-
 def _steps(dec, ids):
     """Prefill, decode, verify, a rollback, decode: the logits of each step, kept."""
     out = [dec.prefill(ids[:, :6])]
@@ -145,7 +135,7 @@ def test_compiled_steps_are_rewritten_and_logits_survive_the_next_step():
     steps run, still equal the uncached forward's (scratch reused by a later step would
     overwrite them)."""
     from torch._inductor.codecache import PyCodeCache
-    model = _model()
+    model = compiled_test_model(11)
     ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(3))
     n = len(PyCodeCache.modules)
     dec = StaticDecoder(model, compile=True)
@@ -163,7 +153,7 @@ def test_compiled_steps_are_rewritten_and_logits_survive_the_next_step():
 def test_two_threads_sharing_a_rewritten_step_get_what_each_gets_alone():
     """Two decoders of one model share the rewritten module (one graph); run in two threads at
     once, each gets the logits it gets alone (the module's lock keeps their scratch apart)."""
-    model = _model(12)
+    model = compiled_test_model(12)
     ids = [torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(s))
            for s in (4, 5)]
     decs = [StaticDecoder(model, compile=True) for _ in ids]
@@ -189,13 +179,13 @@ def test_two_threads_sharing_a_rewritten_step_get_what_each_gets_alone():
 STOCK_SCRIPT = textwrap.dedent('''
     import json, sys, torch
     sys.path.insert(0, {tests!r})
-    from helpers import randomize_, random_config
-    from shram_static import ShramForCausalLM, StaticDecoder
+    from helpers import compiled_test_model
+    from shram_static import StaticDecoder
     from torch._inductor.codecache import PyCodeCache
     # one thread, as in the tests' own processes (conftest.py): Inductor compiles for the thread
     # count, so the steps compiled by the tests above are the ones loaded here, from its cache
     torch.set_num_threads(1)
-    model = randomize_(ShramForCausalLM(random_config({config_seed})), 13).eval()
+    model = compiled_test_model(13)
     ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(6))
     dec = StaticDecoder(model, compile=True)
     out = [dec.prefill(ids[:, :6])] + [dec.decode(ids[:, t]) for t in range(6, 9)] + [dec.verify(ids[:, 9:14])]
@@ -208,7 +198,7 @@ def test_stock_and_rewritten_steps_give_the_same_logits():
     """The same steps with the rewrite off (`SHRAM_STATIC_STOCK=persistent_scratch`) and on,
     each in a process of its own, give bit-identical logits: the rewrite changes where scratch
     lives, not a kernel."""
-    code = STOCK_SCRIPT.format(tests=os.path.dirname(__file__), config_seed=CONFIG_SEED)
+    code = STOCK_SCRIPT.format(tests=os.path.dirname(__file__))
     got = {}
     for stock in (True, False):  # Inductor's cache, as the tests before: the same code in both
         env = dict(os.environ)

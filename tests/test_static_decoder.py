@@ -5,7 +5,7 @@ memory is static."""
 import pytest
 import torch
 
-from helpers import GOLDEN_CASES, golden_case, random_config, randomize_
+from helpers import GOLDEN_CASES, compiled_test_model, golden_case, random_config, randomize_
 from shram_static import CapacityError, ShramForCausalLM, StaticDecoder, state_bytes
 from shram_static.decoder import FEW_ROWS, RowExperts, RowLinear
 from shram_static.layers import BEA, Router
@@ -419,7 +419,7 @@ def test_compiled_decoder_follows_weight_changes():
     verify steps read (its RowLinears and RowExperts pack them again): the logits equal the uncached
     forward's of the changed model. A stale packed copy would give the old model's; the
     experts' weights are changed on their own once, so a stale expert copy shows alone."""
-    model = randomize_(ShramForCausalLM(random_config(7)), 7).eval()
+    model = compiled_test_model(7)
     dec = StaticDecoder(model, compile=True)
     ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(7))
 
@@ -529,7 +529,7 @@ def test_compiled_steps_run_their_frame_code_once_checked(monkeypatch):
     frame evaluation in a decode or verify step, and the logits of the uncached forward. Dynamo
     runs the call again under `force_eager` (no compiled graph then), after
     `torch._dynamo.reset()` (the step compiles again) and with the accelerator turned off."""
-    model = randomize_(ShramForCausalLM(random_config(13)), 13).eval()
+    model = compiled_test_model(13)
     ids = torch.randint(0, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(13))
     with torch.no_grad():
         want = model(ids).logits
@@ -567,7 +567,8 @@ def test_two_compiled_decoders_interleaved_run_their_own_frames():
     objects, so Dynamo caches an entry per decoder), called in turn once their guards have
     passed: each step runs its own decoder's compiled frame (`frames.DirectFrame`), with that
     model's logits."""
-    models = [randomize_(ShramForCausalLM(random_config(s, num_decoder_layers=1)), s).eval() for s in (14, 15)]
+    # the first: the config (and decode graph) of the tests above
+    models = [compiled_test_model(14), randomize_(ShramForCausalLM(random_config(15, num_decoder_layers=1)), 15).eval()]
     assert models[0].config.to_dict() != models[1].config.to_dict()
     decs = [StaticDecoder(m, compile=True) for m in models]
     ids = [torch.randint(0, m.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3)) for m in models]
@@ -604,7 +605,7 @@ def test_generate_checks_each_step_once_unless_a_streamer_runs_between_steps(mon
     and differ from the unchanged model's)."""
     from shram_static import decoder as D
 
-    model = randomize_(ShramForCausalLM(random_config(13)), 21).eval()  # the config (and graphs) of the test above
+    model = compiled_test_model(21)  # the graphs of the tests above
     ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(21))
     ids = torch.cat([ids, ids], 1)  # a prompt that repeats: prompt lookup has guesses
     w = model.model.layers[-1].mlp.down_proj.weight  # a RowLinear's source in the compiled copy
