@@ -6,16 +6,20 @@ every decoder of the same graph in a process, so a process-wide accelerator cann
 one process (`benchmarks/abba.py`). This starts two `shram-static bench` workers of the same
 model, backend and batch size, one with `SHRAM_STATIC_STOCK=<names>`, loads both, then times
 them in turn at the first and last context, the order reversed every round, and reports the
-medians' ratio (below 1: the accelerated side is faster).
+medians' ratio (below 1: the accelerated side is faster). An exported backend (`pte`,
+`pte-int8`, `onnx`, ...) is exported once, here, and both workers load that file.
 
     python benchmarks/stock_ab.py persistent_scratch [--model bench] [--batch-size 4] [--rounds 8]
+    python benchmarks/stock_ab.py huge_pages --model bench --backend pte
 """
 
 import argparse
 import os
+import shutil
 import statistics
+import tempfile
 
-from shram_static.bench import Worker
+from shram_static.bench import Worker, export_one
 
 
 def main(argv=None) -> int:
@@ -29,7 +33,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     opts = ["--model", args.model, "--backend", args.backend, "--batch-size", args.batch_size,
-            "--steps", args.steps]
+            "--steps", args.steps, "--prefill-chunk", "32"]
+    out = None
+    if args.backend not in ("eager", "compiled"):
+        out = tempfile.mkdtemp(prefix="stock_ab_")
+        print(f"exporting {args.model} as {args.backend} ...", flush=True)
+        export_one(args.model, args.backend, int(args.batch_size), 32, out)
+        opts += ["--out-dir", out]
     before = os.environ.get("SHRAM_STATIC_STOCK")
     workers = {}
     try:
@@ -66,6 +76,8 @@ def main(argv=None) -> int:
     finally:
         for w in workers.values():
             w.close()
+        if out:
+            shutil.rmtree(out, ignore_errors=True)
     return 0
 
 

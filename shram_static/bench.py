@@ -30,7 +30,7 @@ import time
 import torch
 
 from .console import info
-from .readings import cpu_times, decode_read_bytes, measure_bandwidth, peak_rss_mib, steal_fraction
+from .readings import bandwidth_buffer, cpu_times, decode_read_bytes, measure_bandwidth, peak_rss_mib, steal_fraction
 
 BENCH_CONFIG = dict(vocab_size=50277, embedding_width=512, mlp_width=1366, num_decoder_layers=12,
                     num_sliding_window_heads=16, num_mosrah_heads=16, num_selected_heads=4,
@@ -347,7 +347,7 @@ def bench(args) -> int:
     if args.rounds < 1:
         raise ValueError("--rounds must be positive")
     jobs = [(m, be, b) for m in args.models for b in args.batch_sizes for be in args.backends]
-    x = torch.ones(2**28)  # 1 GiB, held for the bandwidth readings between rounds
+    x = bandwidth_buffer()  # 1 GiB, held for the bandwidth readings between rounds
     bandwidth = lambda: measure_bandwidth(x)  # noqa: E731
     print(f"memory read bandwidth (torch.sum over 1 GiB, {torch.get_num_threads()} threads): "
           f"{bandwidth() / 1e9:.1f} GB/s", flush=True)

@@ -11,6 +11,7 @@ from .frames import DirectFrame
 # RowLinear: also importable from here, where the decoder that uses it lives
 from .fast_layers import FEW_ROWS, RowExperts, RowLinear, row_linear_, shared_copy  # noqa: F401
 from .host import HostDecoder
+from .hugepages import collapse_tensors
 from .scratch import compiled_call
 from .state import StaticState
 from .step import StepModule
@@ -125,6 +126,10 @@ class StaticDecoder(HostDecoder):
         self._row_owner = [m for m in packers for _ in m.sources]  # the packer of each weight
         self._row_weights = [w for m in packers for w in m.sources]
         self._row_stamps = _stamps(self._row_weights)
+        if compile:
+            # what a decode step streams, the packed copies and the state, onto huge pages
+            # (shram_static.hugepages); the caller's own weights are left as they are
+            collapse_tensors([*(b for m in packers for b in m.buffers(recurse=False)), *self.state.tensors()])
         self.compiled = compile
         self.skip_guards = skip_guards and enabled("skip_guards")
         self._direct = self.skip_guards and enabled("direct_frame")
@@ -190,6 +195,7 @@ class StaticDecoder(HostDecoder):
             if stamps != self._row_stamps:
                 for m in {m for m, now, then in zip(self._row_owner, stamps, self._row_stamps) if now != then}:
                     m.repack()
+                    collapse_tensors(m.buffers(recurse=False))
                 self._row_stamps = stamps
                 self._tensors = None  # a packed weight may be a new tensor: list them again
         if not self.skip_guards:

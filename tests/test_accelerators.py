@@ -30,7 +30,8 @@ def fresh(monkeypatch):
 def test_every_accelerator_records_where_and_what_it_was_verified_on():
     assert len(REGISTRY) >= 10
     for a in REGISTRY.values():
-        assert a.verified and all(v for v in a.verified.values()), a.name
+        # every one that touches a package records the releases it was verified on
+        assert (a.verified or a.internals.startswith("no private internal")) and all(a.verified.values()), a.name
         assert set(a.verified) <= {"torch", "executorch", "onnxscript"}, a.name
         assert a.where and a.internals, a.name
 

@@ -184,6 +184,7 @@ def test_workers_all_start_before_any_loads(monkeypatch):
 
     monkeypatch.setattr(bench_mod, "Worker", Recorder)
     monkeypatch.setattr(bench_mod, "measure_bandwidth", lambda x=None, reps=5: 1e10)
+    monkeypatch.setattr(bench_mod, "bandwidth_buffer", lambda: None)  # no 1 GiB to allocate here
     assert bench_mod.main(["--models", "bench", "--backends", "eager", "--batch-sizes", "1", "2",
                            "--rounds", "1"]) == 0
     a, b = "bench/eager/B=1", "bench/eager/B=2"

@@ -41,6 +41,19 @@ def builtin(tmp_path_factory):
     return paths, model
 
 
+def test_loading_moves_the_prepacked_weights_onto_huge_pages(builtin, monkeypatch):
+    """`load_onnx` collapses the process's resident memory onto huge pages once, after creating
+    its sessions (onnxruntime prepacks the weights then)."""
+    import onnxruntime as ort
+
+    from shram_static.export import onnx_runtime
+    events, session = [], ort.InferenceSession
+    monkeypatch.setattr(ort, "InferenceSession", lambda *a, **k: events.append("session") or session(*a, **k))
+    monkeypatch.setattr(onnx_runtime, "collapse_resident", lambda regions=None: events.append(regions) or 0)
+    load_onnx(builtin[0]["decode"])
+    assert events[-1] is None and events.count(None) == 1 and "session" in events
+
+
 def test_golden_on_the_shared_export(builtin):
     _, g = golden_case(SHARED_CASE)
     err, tokens = golden_run(load_onnx(builtin[0]["decode"]), g)
