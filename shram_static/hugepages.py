@@ -83,14 +83,10 @@ def _resident_runs(libc, start: int, end: int):
         yield run
 
 
+@functools.cache
 def supported() -> bool:
     """Whether `MADV_COLLAPSE` works here: tried once on a populated 4 MiB anonymous mapping of
     its own (Linux 6.1 and newer, transparent huge pages not "never")."""
-    return _probe()
-
-
-@functools.cache
-def _probe() -> bool:
     libc = _libc()
     if libc is None:
         return False
@@ -99,8 +95,8 @@ def _probe() -> bool:
         buf = ctypes.c_char.from_buffer(m)
         try:
             addr = ctypes.addressof(buf)
-            lo = -(-addr // HUGE) * HUGE
-            ok = lo + HUGE > addr + 2 * HUGE or libc.madvise(lo, HUGE, MADV_COLLAPSE) == 0
+            lo = -(-addr // HUGE) * HUGE  # the aligned 2 MiB range inside the 4 MiB
+            ok = libc.madvise(lo, HUGE, MADV_COLLAPSE) == 0
             if not ok:
                 log.debug("MADV_COLLAPSE unavailable (%s): memory stays on 4 KiB pages",
                           os.strerror(ctypes.get_errno()))
