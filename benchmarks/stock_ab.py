@@ -15,7 +15,6 @@ medians' ratio (below 1: the accelerated side is faster). An exported backend (`
 
 import argparse
 import os
-import shutil
 import statistics
 import tempfile
 
@@ -32,14 +31,19 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=8)
     args = ap.parse_args(argv)
 
+    chunk = 32  # `shram-static bench`'s default
     opts = ["--model", args.model, "--backend", args.backend, "--batch-size", args.batch_size,
-            "--steps", args.steps, "--prefill-chunk", "32"]
-    out = None
-    if args.backend not in ("eager", "compiled"):
-        out = tempfile.mkdtemp(prefix="stock_ab_")
-        print(f"exporting {args.model} as {args.backend} ...", flush=True)
-        export_one(args.model, args.backend, int(args.batch_size), 32, out)
-        opts += ["--out-dir", out]
+            "--steps", args.steps, "--prefill-chunk", str(chunk)]
+    with tempfile.TemporaryDirectory(prefix="stock_ab_") as out:
+        if args.backend not in ("eager", "compiled"):
+            print(f"exporting {args.model} as {args.backend} ...", flush=True)
+            export_one(args.model, args.backend, int(args.batch_size), chunk, out)
+            opts += ["--out-dir", out]
+        return ab(args, opts)
+
+
+def ab(args, opts: list[str]) -> int:
+    """Starts the two workers with `opts`, times them and prints the ratios."""
     before = os.environ.get("SHRAM_STATIC_STOCK")
     workers = {}
     try:
@@ -76,8 +80,6 @@ def main(argv=None) -> int:
     finally:
         for w in workers.values():
             w.close()
-        if out:
-            shutil.rmtree(out, ignore_errors=True)
     return 0
 
 

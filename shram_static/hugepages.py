@@ -105,6 +105,11 @@ def supported() -> bool:
     return ok
 
 
+def _active() -> bool:
+    """Turned on (`SHRAM_STATIC_STOCK`) and `MADV_COLLAPSE` available."""
+    return accelerators.enabled("huge_pages") and supported()
+
+
 def collapse_resident(regions: list[tuple[int, int]] | None = None) -> int:
     """Moves the fully resident 2 MiB ranges of `regions` (default: all of
     `anonymous_regions()`) onto huge pages with `MADV_COLLAPSE`. Best effort: a range the kernel
@@ -116,7 +121,7 @@ def collapse_resident(regions: list[tuple[int, int]] | None = None) -> int:
     Returns:
         The bytes moved onto huge pages (0 where turned off, not Linux, or before Linux 6.1).
     """
-    if not accelerators.enabled("huge_pages") or not supported():
+    if not _active():
         return 0
     libc, t, done = _libc(), time.perf_counter(), 0
     for start, end in anonymous_regions() if regions is None else regions:
@@ -137,7 +142,7 @@ def collapse_tensors(tensors) -> int:
     Returns:
         The bytes moved onto huge pages.
     """
-    if _libc() is None:
+    if not _active():  # before reading the process's mappings
         return 0
     anon = anonymous_regions()
     seen, regions = set(), []
