@@ -101,7 +101,7 @@ def random_model(seed: int, **overrides) -> ShramForCausalLM:
     return randomize_(ShramForCausalLM(random_config(seed, **overrides)), seed).eval()
 
 
-# The config of the batch-1 compiled-decoder tests (test_scratch.py, test_static_decoder.py):
+# The config of the batch-1 compiled-decoder tests (test_scratch.py, test_compiled_decoder.py):
 # their steps are the same graphs whatever the weights, so Inductor compiles them once and later
 # tests load them from its cache. WHY: with a cold cache (a fresh CI machine) each config's
 # prefill, decode and verify steps cost ~30 s of the suite.
@@ -305,3 +305,40 @@ def check_last_token_prefill(dec, model) -> None:
     want = ref.generate(prompt, max_new_tokens=12)
     assert torch.equal(dec.generate(prompt, max_new_tokens=12), want)
     assert torch.equal(dec.generate(prompt, max_new_tokens=12, speculate=3), want)
+
+
+# Portable kernels an exported program may call (test_export_pte.py's shared program, the
+# quantized programs of test_export_quantized.py; everything else is inside the XNNPACK delegate). A new kernel here must be deliberate: check it exists in the runtime
+# (`Runtime.get().operator_registry`) of the phones/boards you deploy to.
+ALLOWED_KERNELS = {
+    "aten::add.out", "aten::amax.out", "aten::any.out", "aten::arange.start_out",
+    "aten::bitwise_and.Tensor_out", "aten::bitwise_not.out", "aten::bitwise_or.Tensor_out",
+    "aten::cat.out", "aten::clamp.out", "aten::copy_", "aten::cumsum.out", "aten::div.out_mode",
+    "aten::embedding.out", "aten::eq.Scalar_out", "aten::eq.Tensor_out", "aten::expand_copy.out",
+    "aten::full.out", "aten::full_like.out", "aten::gather.out", "aten::ge.Scalar_out",
+    "aten::gt.Scalar_out", "aten::index.Tensor_out", "aten::index_put_", "aten::index_select.out",
+    "aten::le.Tensor_out", "aten::lt.Scalar_out", "aten::mean.out", "aten::mm.out", "aten::mul.out",
+    "aten::ne.Scalar_out", "aten::remainder.Scalar_out", "aten::scalar_tensor.out",
+    "aten::select_copy.int_out", "aten::sub.out", "aten::sum.IntList_out", "aten::topk.values",
+    "aten::unsqueeze_copy.out", "aten::where.self_out", "dim_order_ops::_to_dim_order_copy.out",
+}
+
+
+def delegated_ops(et, method: str):
+    """(op name, node) of every op inside the method's XNNPACK delegates, e.g. ("bmm", node)."""
+    from executorch.exir.lowered_backend_module import LoweredBackendModule
+
+    for _, mod in et.exported_program(method).graph_module.named_children():
+        if isinstance(mod, LoweredBackendModule):
+            for node in mod.original_module.graph.nodes:
+                if node.op == "call_function":
+                    # an edge op prints as "<EdgeOpOverload: aten.sqrt.default>: schema = ..."
+                    yield str(node.target).split(">")[0].split(".")[1], node
+
+
+def needs(*names):
+    """Skips a test of accelerators that are off here (another release, SHRAM_STATIC_STOCK):
+    where they are off, the stock path runs and there is nothing of theirs to test."""
+    from shram_static.accelerators import enabled
+    off = [n for n in names if not enabled(n)]
+    return pytest.mark.skipif(bool(off), reason=f"accelerators off here: {', '.join(off)}")

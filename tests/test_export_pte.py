@@ -1,5 +1,6 @@
 """ExecuTorch export (`export_pte` / `load_pte`): golden logits and tokens, the stock
-`TextLLMRunner`, graph contents, initial state, bad artifacts, host validation and int8.
+`TextLLMRunner`, graph contents, initial state, bad artifacts and host validation (quantized
+programs: test_export_quantized.py; the benchmarks' programs: test_pte_benchmarks.py).
 
 Slow: every program is lowered through XNNPACK (tens of seconds per method of a 2-layer model
 on two cores), so each artifact is built once per module and shared by the tests that
@@ -9,8 +10,6 @@ checked on the shared program of one golden case (golden logits, and chunks with
 against StaticDecoder); batched prefill with left padding on every other backend, ONNX included.
 """
 
-import collections
-import contextlib
 import json
 import os
 import warnings
@@ -18,8 +17,9 @@ import warnings
 import pytest
 import torch
 
-from helpers import (GOLDEN_CASES, LOWERING_ACCELERATORS, STOCK_LOWERING_CASE, check_last_token_prefill,
-                     check_verify_step, golden_case, golden_run, tiny_model)
+from helpers import (ALLOWED_KERNELS, GOLDEN_CASES, LOWERING_ACCELERATORS, STOCK_LOWERING_CASE,
+                     check_last_token_prefill, check_verify_step, delegated_ops, golden_case, golden_run,
+                     tiny_model)
 
 from shram_static import StaticDecoder
 from shram_static.accelerators import enabled
@@ -28,27 +28,11 @@ from shram_static.export import ExportFormatError, export_onnx, export_pte, load
 from shram_static.export import pte
 from shram_static.export.forked import can_fork
 from shram_static.export.pte import lower_program, program_ops
-from shram_static.export.quantize import quantize_weights
 from shram_static.tokenizer import ByteTokenizer, bytes_to_unicode
 
 
 EOS, BOS = ByteTokenizer.eos_token_id, ByteTokenizer.bos_token_id
 
-# Portable kernels the shared program (SHARED_CASE) may call (everything else is inside the
-# XNNPACK delegate). A new kernel here must be deliberate: check it exists in the runtime
-# (`Runtime.get().operator_registry`) of the phones/boards you deploy to.
-ALLOWED_KERNELS = {
-    "aten::add.out", "aten::amax.out", "aten::any.out", "aten::arange.start_out",
-    "aten::bitwise_and.Tensor_out", "aten::bitwise_not.out", "aten::bitwise_or.Tensor_out",
-    "aten::cat.out", "aten::clamp.out", "aten::copy_", "aten::cumsum.out", "aten::div.out_mode",
-    "aten::embedding.out", "aten::eq.Scalar_out", "aten::eq.Tensor_out", "aten::expand_copy.out",
-    "aten::full.out", "aten::full_like.out", "aten::gather.out", "aten::ge.Scalar_out",
-    "aten::gt.Scalar_out", "aten::index.Tensor_out", "aten::index_put_", "aten::index_select.out",
-    "aten::le.Tensor_out", "aten::lt.Scalar_out", "aten::mean.out", "aten::mm.out", "aten::mul.out",
-    "aten::ne.Scalar_out", "aten::remainder.Scalar_out", "aten::scalar_tensor.out",
-    "aten::select_copy.int_out", "aten::sub.out", "aten::sum.IntList_out", "aten::topk.values",
-    "aten::unsqueeze_copy.out", "aten::where.self_out", "dim_order_ops::_to_dim_order_copy.out",
-}
 # Recorded on the shared program (2 layers, L = 8, K = 2, batch 1, chunk 8; the tiny test model,
 # which has the same layer structure, gives the same counts): portable-kernel calls, XNNPACK
 # delegate calls and the share of ops left to portable kernels, portable / (portable +
@@ -58,9 +42,6 @@ ALLOWED_KERNELS = {
 # Lower them when the graph improves; a rise (a new portable op splitting a delegate) fails.
 RECORDED = {"forward": {"portable": 171, "delegate_calls": 9, "share": 0.308},
             "prefill": {"portable": 305, "delegate_calls": 13, "share": 0.409}}
-# XNNPACK delegate calls of the one-layer tiny model's decode-only quantized program (int8 or
-# 8da4w), as of its fp32 program: a rise means an op left the delegate and split it.
-QUANTIZED_DELEGATE_CALLS = 5
 # Kernels the decode step must never run: expand_copy is what a >2-D matmul left to portable
 # kernels becomes, a copy of a whole gathered cache or expert block per layer and token.
 FORBIDDEN_IN_DECODE = {"aten::expand_copy.out"}
@@ -225,18 +206,6 @@ def test_graph_ops(builtin):
         assert portable <= rec["portable"], f"{method}: {portable} portable kernel calls (recorded {rec['portable']})"
         assert ops["delegate_calls"] <= rec["delegate_calls"], f"{method}: {ops['delegate_calls']} delegate calls"
         assert share <= rec["share"] + 0.005, f"{method}: portable share {share:.3f} (recorded {rec['share']})"
-
-
-def delegated_ops(et, method: str):
-    """(op name, node) of every op inside the method's XNNPACK delegates, e.g. ("bmm", node)."""
-    from executorch.exir.lowered_backend_module import LoweredBackendModule
-
-    for _, mod in et.exported_program(method).graph_module.named_children():
-        if isinstance(mod, LoweredBackendModule):
-            for node in mod.original_module.graph.nodes:
-                if node.op == "call_function":
-                    # an edge op prints as "<EdgeOpOverload: aten.sqrt.default>: schema = ..."
-                    yield str(node.target).split(">")[0].split(".")[1], node
 
 
 def test_no_product_of_one_column(builtin):
@@ -479,158 +448,6 @@ def test_export_argument_errors(tmp_path):
     assert not os.listdir(tmp_path)
 
 
-def test_in_place_quantization_takes_an_export_copy_only():
-    """`quantize_weights_` (what `lower_program` runs on its own export copy) refuses a model
-    whose experts are not fused, before changing it, and an unknown mode."""
-    from shram_static.export.pte import export_copy
-    from shram_static.export.quantize import quantize_weights_
-
-    model = tiny_model(num_decoder_layers=1)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match="fused experts"):
-        quantize_weights_(model, "int8")
-    after = model.state_dict()
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    with pytest.raises(ValueError, match="quantize must be one of"):
-        quantize_weights_(export_copy(model), "int4")
-
-
-# Drift against fp32 (dynamic per-token int8 activations on every nn.Linear): each quantized
-# matmul adds a relative error of about 2^-(bits) of its operands' range, and a flipped expert
-# choice moves a token's logits further. The one-layer tiny model's logits are random weights
-# (the worst case for low-bit weights); measured max / mean |drift| over a 100-token prompt,
-# the experts' linears quantized too: int8 0.078 / 0.011 (argmax agreement 99%); 8da4w with the
-# int8 embedding (it moves the router's input, and this model's routing flips on it) 2.09 /
-# 0.138 (73%). The bounds leave ~1.5-2x headroom. The lowering itself is checked against the
-# same quantization run eagerly.
-DRIFT = {("int8", False): (0.12, 0.02), ("8da4w", True): (4.0, 0.25)}
-
-
-@pytest.mark.parametrize("mode,tied,embedding", [("int8", False, True), ("8da4w", False, True), ("int8", True, True),
-                                                 ("int8", False, False)])
-def test_quantize_covers_every_linear_and_the_embedding(mode, tied, embedding):
-    """Every nn.Linear (lm_head included, its own copy when tied; the experts' fused linears) and,
-    when asked, the embedding are quantized, on a copy."""
-    from shram_static.export.quantize import Int8Embedding
-    model = tiny_model(tie_word_embeddings=tied)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    q = quantize_weights(model, mode, embedding=embedding)
-    lin = {n: m for n, m in q.named_modules() if isinstance(m, torch.nn.Linear)}
-    # every nn.Linear of the model, the fused experts' two per layer, a tied head's own
-    want = sum(isinstance(m, torch.nn.Linear) for m in model.modules()) + 2 * model.config.num_decoder_layers + tied
-    assert "lm_head" in lin and "model.layers.0.attention.sparse_attention.bea.qkv" in lin and len(lin) == want
-    plain = [n for n, m in lin.items() if type(m.weight) in (torch.Tensor, torch.nn.Parameter)]
-    assert not plain, f"left in float: {plain}"
-    if embedding:
-        assert isinstance(q.embed_tokens, Int8Embedding) and q.embed_tokens.weight_q.dtype == torch.int8
-    else:
-        assert type(q.embed_tokens) is torch.nn.Embedding and torch.equal(q.embed_tokens.weight, model.embed_tokens.weight)
-    after = model.state_dict()  # the input model is untouched
-    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
-    assert type(model.embed_tokens) is torch.nn.Embedding and (model.lm_head is None) == tied
-    with pytest.raises(ValueError, match="quantize must be one of"):
-        quantize_weights(model, "int3")
-
-
-def test_int8_embedding_looks_up_dequantized_rows():
-    """Each looked-up row is its int8 row times its scale (a loop over ids), within half a step
-    of the float row."""
-    from shram_static.export.quantize import Int8Embedding
-    emb = torch.nn.Embedding(50, 24)
-    with torch.no_grad():
-        emb.weight.copy_(torch.randn(50, 24, generator=torch.Generator().manual_seed(1)) * torch.rand(50, 1) * 3)
-    q = Int8Embedding(emb)
-    ids = torch.tensor([[3, 0, 49, 3], [7, 7, 12, 1]])
-    got = q(ids)
-    assert got.shape == (2, 4, 24) and got.dtype == torch.float32
-    for b in range(2):
-        for t in range(4):
-            i = int(ids[b, t])
-            assert torch.equal(got[b, t], q.weight_q[i].float() * q.scale[i, 0])
-            assert (got[b, t] - emb.weight[i]).abs().max() <= 0.51 * q.scale[i, 0]
-
-
-def test_8da4w_keeps_int8_where_groups_do_not_fit():
-    """A layer whose input width is no multiple of 32 keeps int8 weights (XNNPACK's int4 GEMM
-    takes only group sizes that are multiples of 32), and so do the experts: they compute
-    exactly what the int8 mode's layers compute, while another 32-divisible layer differs (int4)."""
-    from helpers import TINY_CONFIG, randomize_
-    from shram_static import ShramConfig, ShramForCausalLM
-    model = randomize_(ShramForCausalLM(ShramConfig(**dict(TINY_CONFIG, mlp_width=72))), 3)
-    q4, q8 = quantize_weights(model, "8da4w"), quantize_weights(model, "int8")
-    gen = torch.Generator().manual_seed(0)
-    # the experts' linears keep int8 too (int4 experts flip later layers' routing)
-    for name, width, int4 in (("mlp.up_proj", 64, True), ("mlp.down_proj", 72, False),
-                              ("attention.sparse_attention.bea.qkv", 64, False),
-                              ("attention.sparse_attention.bea.o", 128, False)):
-        x = torch.randn(2, width, generator=gen)
-        m4, m8 = (q.get_submodule(f"model.layers.0.{name}") for q in (q4, q8))
-        assert torch.equal(m4(x), m8(x)) != int4, name
-
-
-@pytest.mark.heavy
-@pytest.mark.parametrize("mode,embedding", [("int8", False), ("8da4w", True)])
-def test_quantized_program(tmp_path, mode, embedding):
-    """Drift of a lowered quantized program against fp32 (eager: the fp32 program equals it to
-    1e-4, tests above; not sharing that program lets this test run on another worker). Decode
-    only, to halve the lowering: the prompts go token by token through the quantized step."""
-    model = tiny_model(num_decoder_layers=1)  # one layer: half the lowering
-    et = lower_program(model, batch_size=1, prefill_chunk=None, quantize=mode, eos_token_id=EOS,
-                       quantize_embedding=embedding)
-    pathq = tmp_path / f"{mode}.pte"
-    pathq.write_bytes(et.buffer)
-    # What makes the quantized step fast, on the installed stack: every quantized linear
-    # (torchao's dynamic quantize / dequantize pattern) inside the XNNPACK delegate, no matmul
-    # or quantization op left to portable kernels, and the delegate no more split than the fp32
-    # program's (QUANTIZED_DELEGATE_CALLS).
-    ops = program_ops(et, "forward")
-    kernels = set(ops["kernels"])
-    assert ops["backends"] == ["XnnpackBackend"], ops
-    assert not {k for k in kernels if k.startswith(("torchao::", "quantized_decomposed::"))}, kernels
-    assert not kernels & {"aten::mm.out", "aten::addmm.out", "aten::bmm.out", "aten::linear.out"}, kernels
-    assert kernels <= ALLOWED_KERNELS, sorted(kernels - ALLOWED_KERNELS)
-    assert ops["delegate_calls"] <= QUANTIZED_DELEGATE_CALLS, ops["delegate_calls"]
-    # Smaller than the fp32 bytes it would hold (weights, rope tables, starting state), which a
-    # float program exceeds (delegate payloads and graph: a decode-only fp32 tiny program is 1.12x them).
-    from shram_static.state import state_bytes
-    fp32 = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-    fp32 += state_bytes(model.config, 1, 1)
-    assert os.path.getsize(pathq) < fp32, (os.path.getsize(pathq), fp32)
-    decq, dec32 = load_pte(pathq), StaticDecoder(model, batch_size=1, prefill_chunk=8)
-    assert decq.meta["quantize"] == mode and decq.meta["quantize_embedding"] == embedding
-    max_drift, mean_drift = DRIFT[mode, embedding]
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 256, (1, 100), generator=gen)
-    lq, l32 = decq.prefill(ids), dec32.prefill(ids)
-    drift = (lq - l32).abs()
-    print(mode, "drift max", drift.max().item(), "mean", drift.mean().item(),
-          "argmax agreement", (lq.argmax(-1) == l32.argmax(-1)).float().mean().item())
-    assert drift.max() <= max_drift and drift.mean() <= mean_drift, (drift.max(), drift.mean())
-    # the program computes what torchao's quantized model computes eagerly (uncached forward)
-    eager = quantize_weights(model, mode, embedding=embedding)(ids).logits
-    lowered = (lq - eager).abs()
-    print(mode, "program vs eager quantized: max", lowered.max().item(), "mean", lowered.mean().item())
-    assert lowered.mean() <= 0.1 * mean_drift, (lowered.max(), lowered.mean())
-    if mode == "8da4w":  # its drift bound exceeds most top-1/top-2 margins of this model:
-        return  # comparing greedy tokens below would check nothing
-    # greedy tokens: identical wherever fp32's top-1/top-2 margin exceeds twice the drift
-    # bound (below it a flip is within the accepted error, not a bug)
-    tok = ByteTokenizer()
-    for prompt in ("Hello world", "The quick brown fox", "int8 test"):
-        x = torch.tensor([tok.encode(prompt)])
-        t32 = dec32.generate(x, max_new_tokens=20, eos_token_id=-1)[0]
-        tq = decq.generate(x, max_new_tokens=20, eos_token_id=-1)[0]
-        # teacher-force fp32's tokens through both to get each step's fp32 margin
-        dec32.reset()
-        full = torch.cat([x[0], t32[:-1]])[None]
-        lg = dec32.prefill(full)[0, x.shape[1] - 1:]
-        top2 = lg.topk(2, dim=-1).values
-        margin = top2[:, 0] - top2[:, 1]
-        close = margin <= 2 * max_drift
-        first_close = int(close.nonzero()[0]) if bool(close.any()) else 20
-        assert torch.equal(tq[:first_close], t32[:first_close]), (prompt, tq, t32, margin)
-
-
 def test_rollback_and_speculation_without_a_verify_method(builtin):
     """A program exported without a verify step still rolls back up to its prefill chunk (the
     limit is in its metadata), exactly as eager does; speculation verifies through prefill and
@@ -646,62 +463,3 @@ def test_rollback_and_speculation_without_a_verify_method(builtin):
             d.rollback(3)
     assert (dec.decode(torch.tensor([33])) - ref.decode(torch.tensor([33]))).abs().max() < 1e-4
     assert torch.equal(dec.generate(ids, max_new_tokens=24, speculate=3), ref.generate(ids, max_new_tokens=24))
-
-
-@pytest.mark.parametrize("quantize", [None, "int8"])
-def test_linear_only_program_of_the_benchmark(quantize):
-    """`benchmarks/pte_linears.py` lowers a program of the exported step's linear layers alone:
-    every nn.Linear of the export copy (the fused experts included), quantized as `export_pte`
-    quantizes, counted at their stored bytes, each output's mean as the module
-    computes it; and its op chains run the ops they count."""
-    from executorch.runtime import Runtime
-
-    from helpers import load_benchmark
-    from shram_static.export.common import export_copy
-
-    bench = load_benchmark("pte_linears")
-    model = tiny_model(num_decoder_layers=1)
-    linears, nbytes = bench.linear_layers(model, quantize)
-    plain = [m for m in export_copy(model).modules() if isinstance(m, torch.nn.Linear)]
-    assert [lin.weight.shape for lin in linears] == [lin.weight.shape for lin in plain]
-    weights = sum(lin.weight.numel() for lin in plain)
-    scales = sum(lin.out_features for lin in plain)  # one per output channel
-    assert nbytes == (4 * weights if quantize is None else weights + scales * 4 + scales)  # int8 zero points
-    buf, xs = bench.lower_linears(linears)
-    got = Runtime.get().load_program(buf).load_method("forward").execute(xs)[0]
-    with torch.no_grad():
-        want = bench.Linears(linears)(*xs)
-    assert got.shape == (len(linears),)
-    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
-    if quantize is None:
-        for name, (method, _), x, ops in bench.op_chains(20):
-            assert ops == 20, name
-            assert method.execute(x)[0].shape == x[0].shape
-
-
-def test_parts_benchmark_takes_out_each_part():
-    """`benchmarks/pte_parts.py` exports the decode step with one part taken out: each variant's
-    program lacks what that part runs (so a patch that stopped applying cannot report a part as
-    free)."""
-    from helpers import load_benchmark
-
-    bench = load_benchmark("pte_parts")
-    model = tiny_model(num_decoder_layers=1)
-
-    def ops(part):
-        with bench.PARTS[part]() if part else contextlib.nullcontext():
-            et = lower_program(model, prefill_chunk=None, parallel=False)
-        delegated = collections.Counter(name for name, _ in delegated_ops(et, "forward"))
-        return program_ops(et, "forward")["kernels"], delegated
-
-    kernels, delegated = ops(None)
-    assert "aten::index_select.out" in kernels and "aten::topk.values" in kernels
-    assert delegated["sqrt"] > 0 and delegated["_softmax"] == 2  # entmax; both attentions
-    k, d = ops("attention")
-    assert d["_softmax"] == 0 and d["bmm"] < delegated["bmm"] and "aten::index_select.out" not in k
-    k, d = ops("gathers")
-    assert "aten::index_select.out" not in k and d["_softmax"] == 2
-    k, d = ops("routing")
-    assert "aten::topk.values" not in k and d["sqrt"] == 0
-    k, d = ops("entmax")
-    assert "aten::topk.values" in k and d["sqrt"] == 0 and d["_softmax"] == 3

@@ -6,30 +6,20 @@ golden logits and tokens through every `.pte`), and a golden model's program is 
 the stock lowering's byte for byte in tests/test_accelerators.py.
 """
 
-import contextlib
 import copy
 import operator
 import types
 import unittest.mock
 
-import pytest
 import torch
 
-from helpers import counting_traces
-from shram_static.accelerators import enabled
+from helpers import needs
 
 
 # Every accelerator `lowering_speedups` applies (shram_static/accelerators.py).
 LOWERING = ("one_trace_lowering", "needed_xnnpack_passes", "needed_edge_passes", "one_edge_conversion_trace",
             "delegate_outputs_from_metadata", "linear_partitioning", "shared_provenance", "lazy_recompiles",
             "cached_type_hints", "mutable_buffers_listed_once")
-
-
-def needs(*names):
-    """Skips a test of accelerators that are off here (another release, SHRAM_STATIC_STOCK):
-    where they are off, the stock path runs and there is nothing of theirs to test."""
-    off = [n for n in names if not enabled(n)]
-    return pytest.mark.skipif(bool(off), reason=f"accelerators off here: {', '.join(off)}")
 
 
 def _graph(*calls) -> torch.fx.GraphModule:
@@ -204,105 +194,6 @@ def test_mutable_buffers_listed_once_answers_as_executorch():
         with mutable_buffers_listed_once():
             to_edge(_exported(_methods())).to_executorch(ExecutorchBackendConfig(run_reinplace_pass=True))
     assert len(reads) - n_stock < n_stock - 20, (n_stock, len(reads) - n_stock)
-
-
-@pytest.fixture(scope="module")
-def onnx_step():
-    """(step, example inputs, its unoptimized ONNX graph as `torch.onnx.export` makes it from
-    the module, the traces that took): the tiny model's chunk step cut to one layer (every
-    layer is the same graph)."""
-    import onnx_ir as ir
-
-    from helpers import tiny_model
-    from shram_static.export.onnx_fusions import OPSET
-    from shram_static.export.pte import export_copy
-    from shram_static.state import StaticState
-    from shram_static.step import FunctionalStep
-
-    model = export_copy(tiny_model(num_decoder_layers=1))
-    state = StaticState(model.config, 2, 4)
-    fn = FunctionalStep(model, state).eval()
-    args = (torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, dtype=torch.long),
-            torch.ones(2, 4, dtype=torch.bool), *[t.clone() for t in state.tensors()])
-    with counting_traces() as traces, torch.no_grad():
-        raw = ir.to_proto(torch.onnx.export(fn, args, dynamo=True, optimize=False, verbose=False,
-                                            opset_version=OPSET).model)
-    return fn, args, raw, traces
-
-
-
-
-@pytest.mark.heavy
-@needs('skip_onnx_slices_split')
-def test_onnx_rule_skip_keeps_the_optimized_graph(onnx_step):
-    """Without the skipped rewrite rules the exporter's optimizer makes the same graph (op for
-    op) from a SHRAM step; the rules come back after."""
-    import collections
-
-    import onnx_ir as ir
-    import onnxscript.optimizer
-    from onnxscript import rewriter
-
-    from shram_static.export.lowering import SKIPPED_ONNX_RULES, without_onnx_rewrite_rules
-
-    rules = rewriter._DEFAULT_REWRITE_RULES
-    assert {r.name for r in rules} >= set(SKIPPED_ONNX_RULES)  # the names still exist
-    raw = onnx_step[2]
-
-    def optimized_ops(skip: bool) -> collections.Counter:
-        m = ir.from_proto(raw)
-        with without_onnx_rewrite_rules() if skip else contextlib.nullcontext():
-            if skip:
-                assert not {r.name for r in rewriter._DEFAULT_REWRITE_RULES} & set(SKIPPED_ONNX_RULES)
-            onnxscript.optimizer.optimize_ir(m)
-        return collections.Counter(n.op_type for n in m.graph.all_nodes())
-
-    full, skipped = optimized_ops(False), optimized_ops(True)
-    assert skipped == full and sum(full.values()) < 1000, (skipped - full, full - skipped)
-    assert rewriter._DEFAULT_REWRITE_RULES is rules
-
-
-@needs('one_trace_onnx_export')
-def test_onnx_export_in_one_trace_gives_the_exporters_graph(onnx_step):
-    """`onnx_decomposed` hands the ONNX exporter a program exported and decomposed in one trace:
-    the graph is the exporter's own (`onnx_step`), node for node (ops, attributes, weights,
-    names of inputs and outputs), without its `torch.export` and `run_decompositions`. Should
-    the exporter's registry implement other ops than the table was made for, it decomposes the
-    program itself."""
-    import numpy as np
-    import onnx
-    import onnx_ir as ir
-    from onnx import numpy_helper
-    from torch.onnx._internal.exporter import _decomp, _fx_passes, _registration
-
-    from shram_static.export.decompose import onnx_decomposed
-    from shram_static.export.onnx_fusions import OPSET
-
-    fn, args, stock, stock_traces = onnx_step
-    step = _fx_passes.decompose_with_registry
-    with counting_traces() as traces, torch.no_grad(), onnx_decomposed(fn, args, OPSET) as ep:
-        fast = ir.to_proto(torch.onnx.export(ep, args, dynamo=True, optimize=False, verbose=False,
-                                             opset_version=OPSET).model)
-        assert traces == [] and stock_traces == ["export", "decompose"]
-        # a registry without one of the ops the table keeps whole: the exporter's decomposition
-        registry = _registration.ONNXRegistry.from_torchlib(OPSET)
-        fewer = _decomp.get_onnx_implemented_overloads(registry)[1:]
-        with unittest.mock.patch.object(_decomp, "get_onnx_implemented_overloads", lambda r: fewer):
-            _fx_passes.decompose_with_registry(ep, registry)
-        assert traces == ["decompose"]
-    assert _fx_passes.decompose_with_registry is step  # restored
-
-    def nodes(p):
-        return [(n.op_type, n.domain, [(a.name, onnx.helper.get_attribute_value(a)) for a in n.attribute
-                                       if a.type != onnx.AttributeProto.GRAPH]) for n in p.graph.node]
-
-    def weights(p):
-        return [numpy_helper.to_array(t) for t in p.graph.initializer]
-
-    assert str(nodes(fast)) == str(nodes(stock)) and len(fast.graph.node) > 100
-    assert [i.name for i in fast.graph.input] == [i.name for i in stock.graph.input]
-    assert [o.name for o in fast.graph.output] == [o.name for o in stock.graph.output]
-    assert all(np.array_equal(a, b) for a, b in zip(weights(fast), weights(stock), strict=True))
 
 
 def test_written_cache_views_rebased_on_the_buffer():

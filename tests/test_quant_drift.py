@@ -1,8 +1,8 @@
 """Quantization's logit drift on a trained model: the built-in model, quantized as `export_pte`
-quantizes it (`quantize_weights`, run eagerly; tests/test_export_pte.py checks that the lowered
+quantizes it (`quantize_weights`, run eagerly; tests/test_export_quantized.py checks that the lowered
 program computes what this eager model computes), against fp32 on a Shakespeare prompt.
 
-A random-weight model is the worst case for low-bit weights (test_export_pte.py bounds that);
+A random-weight model is the worst case for low-bit weights (test_export_quantized.py bounds that);
 this bounds what a user of the shipped weights sees. Measured max / mean |drift| and argmax
 agreement over the prompt's 105 positions: int8 0.50 / 0.057 (99%), int8 with the int8
 embedding 0.34 / 0.053 (98%), 8da4w 2.13 / 0.34 (92%), 8da4w with the int8 embedding

@@ -115,7 +115,7 @@ def onnx_decomposed(mod: torch.nn.Module, args: tuple, opset: int):
     Should the exporter's registry implement other ops than the one this table was made from,
     it decomposes the program itself, as it would have. The capture is the exporter's first strategy's
     (non-strict, `backed_size_oblivious`); the ONNX graphs are checked against the exporter's
-    own in tests/test_lowering.py.
+    own in tests/test_onnx_lowering.py.
 
     Args:
         mod: the module (its inputs static).

@@ -366,7 +366,7 @@ def without_onnx_rewrite_rules(names=SKIPPED_ONNX_RULES):
     a SHRAM step, which holds hundreds of Slices (cache views, RoPE halves) and never matches
     it: most of an optimizer round on the bench model's decode graph, and the optimizer is most
     of an `.onnx` export (docs/performance.md). The optimized
-    graphs are otherwise what the exporter makes (tests/test_lowering.py compares the op
+    graphs are otherwise what the exporter makes (tests/test_onnx_lowering.py compares the op
     histograms with and without). `optimize_ir` reads the rule tuple when it runs, so it is
     swapped for the block only;
     runs only on the releases it was verified on (shram_static/accelerators.py).
