@@ -9,7 +9,15 @@ times `_run` itself (the compiled step with its guards skipped) for scale, also 
 `_steady` window (what `generate` runs without a streamer: each step checked once), and 400
 greedy tokens of `generate` against a decoder that checks every step.
 
-    python benchmarks/host_costs.py [--model builtin|bench|DIR] [--calls 2000] [--rounds 10]
+`--in-situ` measures the same host code between real steps instead. A step streams every
+weight through the caches, so the host code after it runs on cold caches and costs several
+times its hot cost above. The Inductor kernels of the compiled step are timed from inside (each
+wrapped in a timer), and each loop's time without them is its host code: the public `decode`,
+`_run` (its checks and the frame), the compiled frame code alone (Dynamo's bytecode that
+fetches every weight and state tensor, the wrapper around the kernels) and `_run` in a `_steady`
+window (no checks), each in its own interleaved round.
+
+    python benchmarks/host_costs.py [--model builtin|bench|DIR] [--calls 2000] [--rounds 10] [--in-situ]
 """
 
 import argparse
@@ -25,7 +33,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="builtin")
     ap.add_argument("--calls", type=int, default=2000)
-    ap.add_argument("--rounds", type=int, default=10, help="generate runs per side")
+    ap.add_argument("--rounds", type=int, default=10, help="generate runs per side (--in-situ: rounds per loop)")
+    ap.add_argument("--in-situ", action="store_true", help="host code between real steps (see above)")
     args = ap.parse_args(argv)
 
     from shram_static import StaticDecoder
@@ -44,6 +53,13 @@ def main(argv=None) -> int:
     live_v, live_1 = torch.ones(1, n, dtype=torch.bool), torch.ones(1, 1, dtype=torch.bool)
 
     env = dict(dec=dec, v=v, v1=v1, live_v=live_v, live_1=live_1, two=torch.tensor([2]))
+    if args.in_situ:
+        steps = 50
+        print(f"{args.model}: decode step in a loop of real steps, median of {args.rounds} interleaved "
+              f"rounds of {steps}")
+        for name, (total, host) in in_situ(dec, v1, live_1, args.rounds, steps).items():
+            print(f"  {name:<28} {total:7.3f} ms per step, {host:6.3f} ms ({host / total:5.1%}) outside the kernels")
+        return 0
 
     def us(stmt: str) -> float:
         """Best-of-5 microseconds per call of stmt (each statement puts the counts back)."""
@@ -89,6 +105,77 @@ def main(argv=None) -> int:
           f"every step checked {b * 1e3:.1f} ms: {a / b:.3f}x")
     return 0
 
+
+def in_situ(dec, v1, live_1, rounds: int, steps: int = 50) -> dict:
+    """The decode step's time in loops of real steps, split into its Inductor kernels and the
+    rest, for each way of calling it (see the module docstring).
+
+    Args:
+        dec: a compiled `StaticDecoder` of batch 1 whose decode step has run.
+        v1, live_1: (1, 1) token and live mask to decode (at the same position each time).
+        rounds: interleaved rounds per loop; steps: steps per round.
+
+    Returns:
+        {loop name: (median ms per step, median ms of it outside the kernels)}.
+    """
+    import types
+
+    from torch._inductor.codecache import PyCodeCache
+
+    spent = [0]
+
+    def timed(kernel):
+        def run(*a):
+            t = time.perf_counter_ns()
+            try:
+                return kernel(*a)
+            finally:
+                spent[0] += time.perf_counter_ns() - t
+        return run
+
+    # WHY Inductor's private module cache: the kernels are its generated C++ functions, named
+    # cpp_fused_* in the wrapper modules it loaded; each is put back after the measurement.
+    wrapped = [(mod, name, fn) for mod in PyCodeCache.modules for name, fn in list(vars(mod).items())
+               if name.startswith("cpp_fused") and isinstance(fn, types.BuiltinFunctionType)]
+    if not wrapped:
+        raise RuntimeError("no Inductor kernels found to time (another torch release?)")
+    pos, frame = dec._count.clone(), dec._frames.get("decode")
+    ids = v1[:, 0]
+
+    def decode():
+        dec.decode(ids)
+        dec._count -= 1
+        dec._undo -= 1
+
+    def steady():
+        with dec._steady():
+            for _ in range(steps):
+                dec._run(v1, pos, live_1)
+
+    loops = {"decode (public, checked)": decode, "_run (checks + frame)": lambda: dec._run(v1, pos, live_1)}
+    if frame is not None:
+        loops["frame code alone"] = lambda: frame(v1, pos, live_1)
+    loops["_run in a _steady window"] = None
+    times = {k: [] for k in loops}
+    for mod, name, fn in wrapped:
+        setattr(mod, name, timed(fn))
+    try:
+        for r in range(rounds):
+            for name in list(loops)[::1 if r % 2 == 0 else -1]:
+                spent[0] = 0
+                t = time.perf_counter_ns()
+                if loops[name] is None:
+                    steady()
+                else:
+                    for _ in range(steps):
+                        loops[name]()
+                total = (time.perf_counter_ns() - t) / steps / 1e6
+                times[name].append((total, total - spent[0] / steps / 1e6))
+    finally:
+        for mod, name, fn in wrapped:
+            setattr(mod, name, fn)
+    return {name: (statistics.median(t for t, _ in ts), statistics.median(h for _, h in ts))
+            for name, ts in times.items()}
 
 if __name__ == "__main__":
     raise SystemExit(main())

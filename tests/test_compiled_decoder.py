@@ -263,6 +263,34 @@ def test_two_compiled_decoders_interleaved_run_their_own_frames():
             torch.testing.assert_close(d.decode(i[:, t]), w[:, t], atol=TOL, rtol=0)
 
 
+def test_in_situ_host_cost_splits_each_step_into_kernels_and_the_rest():
+    """`benchmarks/host_costs.py --in-situ` times the compiled decode step's Inductor kernels from
+    inside: each loop's time outside them is a part of the step, neither nothing nor all of it
+    (kernels found and timed); the kernels are put back as they were and the decoder decodes
+    as before."""
+    from torch._inductor.codecache import PyCodeCache
+
+    from helpers import load_benchmark
+
+    def kernels():
+        return {(id(m), k): v for m in PyCodeCache.modules for k, v in vars(m).items() if k.startswith("cpp_fused")}
+
+    bench = load_benchmark("host_costs")
+    model = compiled_test_model(16)
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(16))
+    dec = StaticDecoder(model, compile=True)
+    dec.prefill(ids[:, :4])
+    dec.decode(ids[:, 4])  # compiled, guards checked
+    want = dec.decode(ids[:, 5])
+    dec.rollback(1)
+    before = kernels()
+    times = bench.in_situ(dec, ids[:, 5:6], torch.ones(1, 1, dtype=torch.bool), rounds=2, steps=3)
+    assert list(times) == ["decode (public, checked)", "_run (checks + frame)", "frame code alone",
+                           "_run in a _steady window"]
+    assert all(0 < host < total for total, host in times.values()), times
+    assert kernels() == before
+    torch.testing.assert_close(dec.decode(ids[:, 5]), want, atol=0, rtol=0)
+
 class _ChangesAWeight:
     """A streamer that negates a weight in place when the n-th token column arrives (the prompt
     is put first): the caller's code between two steps of `generate`."""
