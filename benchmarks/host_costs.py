@@ -177,5 +177,6 @@ def in_situ(dec, v1, live_1, rounds: int, steps: int = 50) -> dict:
     return {name: (statistics.median(t for t, _ in ts), statistics.median(h for _, h in ts))
             for name, ts in times.items()}
 
+
 if __name__ == "__main__":
     raise SystemExit(main())
