@@ -30,7 +30,8 @@ import time
 import torch
 
 from .console import info
-from .readings import bandwidth_buffer, cpu_times, decode_read_bytes, measure_bandwidth, peak_rss_mib, steal_fraction
+from .readings import (bandwidth_buffer, bandwidth_spread, cpu_times, decode_read_bytes, measure_bandwidth,
+                       peak_rss_mib, steal_fraction)
 
 BENCH_CONFIG = dict(vocab_size=50277, embedding_width=512, mlp_width=1366, num_decoder_layers=12,
                     num_sliding_window_heads=16, num_mosrah_heads=16, num_selected_heads=4,
@@ -388,6 +389,8 @@ def bench(args) -> int:
     bw = statistics.median_high(readings)
     print(f"memory read bandwidth, median of {len(readings)} readings between rounds: {bw / 1e9:.1f} GB/s "
           f"(min {min(readings) / 1e9:.1f}, max {max(readings) / 1e9:.1f})", flush=True)
+    if spread := bandwidth_spread(readings):
+        print(f"warning: {spread}", flush=True)
     if steal is not None:
         print(f"CPU time stolen by the hypervisor during the measurements: {100 * steal:.0f}%"
               + (" (above 10%: the speed figures, the .pte's most, read the machine's load more than the "

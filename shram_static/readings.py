@@ -118,3 +118,27 @@ def steal_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None
     if before is None or after is None or after[1] <= before[1]:
         return None
     return round((after[0] - before[0]) / (after[1] - before[1]), 3)
+
+
+# Readings further apart than this (max / min) are two memory speeds, not noise: this VM's
+# reading alternates between about 35 and 68 GB/s, and the steps do not follow it alike
+# (docs/performance.md, "Measuring").
+SPREAD_LIMIT = 1.5
+
+
+def bandwidth_spread(readings: list[float]) -> str | None:
+    """A warning when the bandwidth readings of one run spread beyond SPREAD_LIMIT (max / min),
+    else None.
+
+    Args:
+        readings: bytes/s, each from `measure_bandwidth`.
+
+    Returns:
+        The warning's text, or None.
+    """
+    if not readings or min(readings) <= 0 or max(readings) / min(readings) <= SPREAD_LIMIT:
+        return None
+    return (f"the bandwidth readings spread {max(readings) / min(readings):.1f}x: the memory ran at different "
+            f"speeds during the run, and the steps do not follow it alike, so the ratios to the floor and "
+            f"between backends depend on which speed each round met; compare runs whose readings stay "
+            f"within {SPREAD_LIMIT}x")

@@ -222,17 +222,32 @@ def test_steal_is_read_from_proc_stat(tmp_path):
     assert cpu_times(str(stat)) is None
 
 
+def test_bandwidth_readings_of_two_memory_speeds_are_flagged():
+    """Readings within 1.5x of each other are noise (no warning); further apart, the run met two
+    memory speeds and says so, with the spread."""
+    from shram_static.readings import bandwidth_spread
+    assert bandwidth_spread([35e9, 37e9, 41e9, 52e9]) is None
+    assert bandwidth_spread([]) is None
+    msg = bandwidth_spread([36.6e9, 67.8e9, 71.4e9])
+    assert msg is not None and "spread 2.0x" in msg and "1.5x" in msg
+
 def test_contexts_span_to_near_capacity():
     assert contexts(1024, 32) == [64, 256, 512, 768, 991]
     assert contexts(100, 8) == [25, 50, 64, 75, 91]
 
 
 @pytest.mark.heavy
-def test_bench_command_writes_json_and_plot(tmp_path, capsys):
+def test_bench_command_writes_json_and_plot(tmp_path, capsys, monkeypatch):
     """The command in this process (its workers are subprocesses, as always): one interpreter
     start fewer than `python -m shram_static bench`; tests/test_cli.py runs the module entry point
-    (`generate`), which dispatches every command alike."""
+    (`generate`), which dispatches every command alike. Its bandwidth readings alternate between
+    two speeds here (each real reading, every other one doubled), which the run warns of."""
+    import itertools
+
     from shram_static.cli import main
+
+    real, scale = bench_mod.measure_bandwidth, itertools.cycle([1, 2])
+    monkeypatch.setattr(bench_mod, "measure_bandwidth", lambda x=None, reps=5: real(x, reps=1) * next(scale))
 
     ckpt = tmp_path / "ckpt"
     # one layer, capacity 128, one round: the command's plumbing, not the model, is under test
@@ -256,6 +271,7 @@ def test_bench_command_writes_json_and_plot(tmp_path, capsys):
         assert 0 < r["peak_rss_mib"] < 1024, r["peak_rss_mib"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "eager B=1" in p.out and "eager B=2" in p.out
+    assert "warning: the bandwidth readings spread" in p.out
 
 
 def test_bench_rejects_an_unknown_model(capsys, tmp_path):
