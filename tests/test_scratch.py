@@ -137,6 +137,11 @@ def test_compiled_steps_are_rewritten_and_logits_survive_the_next_step():
     from torch._inductor.codecache import PyCodeCache
     model = compiled_test_model(11)
     ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(3))
+    # An earlier test in this process may have loaded these steps' modules already (they are
+    # shared by every compile of the same graph, and xdist runs files on a worker in any order):
+    # forget the compiled frames and the loaded modules, so the steps below load theirs anew.
+    torch._dynamo.reset()
+    PyCodeCache.cache_clear()
     n = len(PyCodeCache.modules)
     dec = StaticDecoder(model, compile=True)
     out = _steps(dec, ids)
