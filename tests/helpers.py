@@ -308,7 +308,8 @@ def check_last_token_prefill(dec, model) -> None:
 
 
 # Portable kernels an exported program may call (test_export_pte.py's shared program, the
-# quantized programs of test_export_quantized.py; everything else is inside the XNNPACK delegate). A new kernel here must be deliberate: check it exists in the runtime
+# quantized programs of test_export_quantized.py; everything else is inside the XNNPACK
+# delegate). A new kernel here must be deliberate: check it exists in the runtime
 # (`Runtime.get().operator_registry`) of the phones/boards you deploy to.
 ALLOWED_KERNELS = {
     "aten::add.out", "aten::amax.out", "aten::any.out", "aten::arange.start_out",
