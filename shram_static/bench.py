@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from .backends import BACKENDS
 from .console import info
 from .readings import (bandwidth_buffer, bandwidth_spread, cpu_times, decode_read_bytes, measure_bandwidth,
                        peak_rss_mib, steal_fraction)
@@ -41,7 +42,6 @@ BENCH_CONFIG = dict(vocab_size=50277, embedding_width=512, mlp_width=1366, num_d
 # seconds, PREFILL_RUNS at most, and timed as their median: a single run of a short prompt
 # swings 2x between rounds, far more than the backends differ.
 PREFILL_REPEAT_S, PREFILL_RUNS = 1.0, 5
-BACKENDS = ("eager", "compiled", "pte", "pte-int8", "pte-8da4w", "onnx")
 EXPORTED = {"pte": ("pte", None), "pte-int8": ("pte", "int8"), "pte-8da4w": ("pte", "8da4w"), "onnx": ("onnx", None)}
 
 
@@ -259,6 +259,8 @@ def measure_interleaved(workers: list, rounds: int, bandwidth=None, progress=Non
     `decode_ms_best` is the lowest of the rounds' own medians: on a machine shared with other
     work, noise only adds time, and a step of hundreds of small parallel operators (a `.pte`)
     loses far more to a busy stretch than a few large ones (docs/performance.md, "Measuring").
+    With `bandwidth`, each point also keeps `rounds`: each round's median and the reading taken
+    just before that round, which `add_ratios` pairs (a VM's memory can change speed mid-run).
 
     Args:
         workers: objects with `.contexts` (list of ints) and `.measure(ctx) -> dict(prefill_s,
@@ -270,16 +272,17 @@ def measure_interleaved(workers: list, rounds: int, bandwidth=None, progress=Non
 
     Returns:
         (points per worker: [dict(context, prefill_tok_s, decode_ms, decode_ms_best,
-        decode_tok_s)], readings).
+        decode_tok_s[, rounds=[dict(ms, gb_s)]])], readings).
     """
     points = [[] for _ in workers]
     readings = []
     depth = max(len(w.contexts) for w in workers)
     for i in range(depth):
         got = [dict(prefill=[], decode=[], rounds=[]) for _ in workers]
+        here = []  # this context's readings, one per round
         for r in range(rounds):
             if bandwidth is not None:
-                readings.append(bandwidth())
+                here.append(bandwidth())
             # forward in even rounds, backward in odd ones: no backend always runs right after
             # the bandwidth reading or right after the same neighbour
             turns = list(zip(workers, got))
@@ -298,12 +301,18 @@ def measure_interleaved(workers: list, rounds: int, bandwidth=None, progress=Non
                 pts.append(dict(context=ctx, prefill_tok_s=round(B * ctx / pre, 1),
                                 decode_ms=round(1e3 * med, 3), decode_ms_best=round(1e3 * min(g["rounds"]), 3),
                                 decode_tok_s=round(B / med, 1)))
+                if here:
+                    pts[-1]["rounds"] = [dict(ms=round(1e3 * t, 3), gb_s=round(bw / 1e9, 2))
+                                         for t, bw in zip(g["rounds"], here)]
+        readings += here
     return points, readings
 
 
 def add_ratios(results: list[dict], bandwidth: float) -> None:
     """Adds the floor (`read_bytes` over `bandwidth`: a quantized backend's own, its weights as
-    stored) and, per context point, `x_floor` = decode time / floor (1 is the ideal),
+    stored) and, per context point, `x_floor` = decode time / floor (1 is the ideal; for a point
+    with `rounds`, the median of each round's time over the floor of the reading taken just
+    before it, so a round that met the memory's other speed is not held to this floor),
     `x_compiled` = decode speed / compiled torch's at the same model, batch size and context
     (above 1: faster than compiled torch; None without a compiled result) and `x_compiled_best`,
     the same from both backends' best rounds (`measure_interleaved`). A quantized backend's
@@ -318,7 +327,8 @@ def add_ratios(results: list[dict], bandwidth: float) -> None:
         flt = by_backend.get((r["model"], r["batch"], float_partner(r["backend"]))) if quantized else None
         flt_pts = {p["context"]: p for p in flt["points"]} if flt else {}
         for p in r["points"]:
-            p["x_floor"] = round(p["decode_ms"] / r["floor_ms"], 2)
+            paired = [q["ms"] * q["gb_s"] * 1e6 / r["read_bytes"] for q in p.get("rounds", [])]
+            p["x_floor"] = round(statistics.median(paired) if paired else p["decode_ms"] / r["floor_ms"], 2)
             q = ref_pts.get(p["context"])
             p["x_compiled"] = round(q["decode_ms"] / p["decode_ms"], 2) if q else None
             p["x_compiled_best"] = round(q["decode_ms_best"] / p["decode_ms_best"], 2) if q else None
@@ -402,6 +412,7 @@ def bench(args) -> int:
         with open(args.json, "w") as f:
             json.dump(dict(bandwidth_bytes_s=bw, steal_fraction=steal, results=results), f, indent=1)
     if args.plot:
+        from .bench_plot import plot
         plot(results, args.plot)
     return 0
 
@@ -426,34 +437,6 @@ def format_row(r: dict) -> str:
             f"({r['read_bytes'] / 1e6:.1f} MB) | prefill {a['prefill_tok_s']:.0f} tok/s @{a['context']}, "
             f"{z['prefill_tok_s']:.0f} @{z['context']} | {built} | state {r['state_bytes'] / 2**20:.1f} MiB "
             f"| peak RSS {r['peak_rss_mib']:.0f} MiB")
-
-
-def plot(results: list[dict], path: str) -> None:
-    """Decode ms/step against context, one line per (model, backend, batch), floors dashed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ImportError(f"--plot needs matplotlib (pip install matplotlib): {e}") from e
-    fig, ax = plt.subplots(figsize=(8, 5))
-    floors = {}
-    for r in results:
-        xs = [p["context"] for p in r["points"]]
-        ax.plot(xs, [p["decode_ms"] for p in r["points"]], marker="o",
-                label=f"{r['model']} {r['backend']} B={r['batch']}")
-        floors[(r["model"], r["batch"])] = (r["floor_ms"], xs)
-    for (m, b), (f, xs) in floors.items():
-        ax.hlines(f, min(xs), max(xs), linestyles="dashed", colors="gray")
-        ax.annotate(f"floor {m} B={b}", (max(xs), f), fontsize=8, ha="right", va="bottom")
-    ax.set_xlabel("context (tokens held per row)")
-    ax.set_ylabel("decode ms / step")
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

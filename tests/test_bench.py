@@ -39,6 +39,16 @@ def test_ratios_are_against_the_same_model_batch_and_context():
     assert [p["x_compiled_best"] for p in rs[1]["points"]] == [1.0, 3.0]
 
 
+def test_each_round_is_held_to_the_floor_of_its_own_reading():
+    """A round that met the memory at another speed is held to the floor of the reading taken
+    just before it: the ratio is the median of the rounds' own ratios, not the median time over
+    the run's median floor."""
+    r = _result("compiled", (7.0, 7.0), read_bytes=200_000_000)
+    r["points"][0]["rounds"] = [dict(ms=8.0, gb_s=35.0), dict(ms=6.0, gb_s=70.0)]  # x 1.4 and 2.1
+    add_ratios([r], bandwidth=52.5e9)  # floor 3.81 ms: 7 ms would read 1.84x
+    assert [p["x_floor"] for p in r["points"]] == [1.75, 1.84]
+
+
 def test_a_quantized_backend_is_also_compared_with_its_float_program():
     rs = [_result("compiled", (2.0, 4.0)), _result("pte", (3.0, 2.0)), _result("pte-int8", (1.5, 1.0)),
           _result("pte-int8", (1.0, 1.0), batch=4)]
@@ -147,6 +157,9 @@ def test_measurements_interleave_backends_round_by_round():
     assert points[0][0]["prefill_tok_s"] == 100.0 and points[1][0]["prefill_tok_s"] == 400.0
     # rounds' medians: a@64 12 and 13 ms, a@128 20 and 30, b@64 1 and 2
     assert [p["decode_ms_best"] for p in points[0]] == [12.0, 20.0] and points[1][0]["decode_ms_best"] == 1.0
+    # each round's median beside the reading taken just before that round
+    assert points[0][0]["rounds"] == [dict(ms=12.0, gb_s=5.0), dict(ms=13.0, gb_s=5.0)]
+    assert "rounds" not in measure_interleaved([_Fake("c", [64], 1, [], [[0.01]])], rounds=1)[0][0][0]
 
 
 def test_workers_all_start_before_any_loads(monkeypatch):
