@@ -147,15 +147,15 @@ def in_situ(dec, v1, live_1, rounds: int, steps: int = 50) -> dict:
         dec._count -= 1
         dec._undo -= 1
 
-    def steady():
-        with dec._steady():
-            for _ in range(steps):
-                dec._run(v1, pos, live_1)
+    def run():
+        dec._run(v1, pos, live_1)
 
-    loops = {"decode (public, checked)": decode, "_run (checks + frame)": lambda: dec._run(v1, pos, live_1)}
+    # each loop: its step and the window the steps run in (`_steady`: each step checked once)
+    plain = contextlib.nullcontext
+    loops = {"decode (public, checked)": (decode, plain), "_run (checks + frame)": (run, plain)}
     if frame is not None:
-        loops["frame code alone"] = lambda: frame(v1, pos, live_1)
-    loops["_run in a _steady window"] = None
+        loops["frame code alone"] = (lambda: frame(v1, pos, live_1), plain)
+    loops["_run in a _steady window"] = (run, dec._steady)
     times = {k: [] for k in loops}
     for mod, name, fn in wrapped:
         setattr(mod, name, timed(fn))
@@ -164,11 +164,10 @@ def in_situ(dec, v1, live_1, rounds: int, steps: int = 50) -> dict:
             for name in list(loops)[::1 if r % 2 == 0 else -1]:
                 spent[0] = 0
                 t = time.perf_counter_ns()
-                if loops[name] is None:
-                    steady()
-                else:
+                step, window = loops[name]
+                with window():
                     for _ in range(steps):
-                        loops[name]()
+                        step()
                 total = (time.perf_counter_ns() - t) / steps / 1e6
                 times[name].append((total, total - spent[0] / steps / 1e6))
     finally:
