@@ -291,6 +291,45 @@ def test_in_situ_host_cost_splits_each_step_into_kernels_and_the_rest():
     assert kernels() == before
     torch.testing.assert_close(dec.decode(ids[:, 5]), want, atol=0, rtol=0)
 
+
+def test_inline_layers_unrolls_the_step_and_puts_the_nested_region_back():
+    """`benchmarks/inductor_options.py --inline-layers`: a step traced inside `inlined_layers()`
+    calls every layer inline (no `invoke_subgraph` in Dynamo's graph), one traced outside it
+    calls the nested region per layer, and the nested region is put back after the block,
+    also when the block raises."""
+    from helpers import load_benchmark, tiny_model
+    from shram_static import step as S
+
+    bench = load_benchmark("inductor_options")
+    model = tiny_model()  # two layers (Dynamo inlines a region called once)
+    nested = S._nested_layer_step
+
+    def subgraph_calls(inline: bool) -> int:
+        graphs = []
+
+        def capture(gm, _inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        step = StaticDecoder(model, prefill_chunk=4).module  # the step module a decoder compiles
+        with bench.inlined_layers(inline), torch.no_grad():  # as the decoder runs its steps
+            torch.compile(step, backend=capture, fullgraph=True)(
+                torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                torch.ones(1, 1, dtype=torch.bool))
+        return sum("invoke_subgraph" in str(n.target) for g in graphs for n in g.graph.nodes)
+
+    layers = model.config.num_decoder_layers
+    assert subgraph_calls(False) == layers
+    assert subgraph_calls(True) == 0
+    assert S._nested_layer_step is nested
+    with pytest.raises(KeyError), bench.inlined_layers():
+        assert S._nested_layer_step is S._layer_step
+        raise KeyError("inside")
+    assert S._nested_layer_step is nested
+    torch._dynamo.reset()
+
+
 class _ChangesAWeight:
     """A streamer that negates a weight in place when the n-th token column arrives (the prompt
     is put first): the caller's code between two steps of `generate`."""
