@@ -29,10 +29,14 @@ def _check_finite(logits: torch.Tensor, live: torch.Tensor) -> None:
         # WHY numpy on CPU: torch's isfinite over (B, C, V) opens an OpenMP parallel region whose
         # workers then spin on the core the next step's runtime (onnxruntime, XNNPACK) needs;
         # numpy checks the same on one thread.
-        fin = np.isfinite(logits.detach().float().numpy()).all(-1)  # (B, C)
-        if fin.all():  # the common case, in one more numpy call (this runs after every step)
+        a = (logits.detach() if logits.requires_grad else logits)
+        a = (a if a.dtype == torch.float32 else a.float()).numpy()
+        # this runs after every step: one sum first, finite exactly when every value is (a NaN
+        # or an Inf makes it NaN or infinite); only a sum that is not (or that overflowed) is
+        # looked at value by value
+        if np.isfinite(a.sum()):
             return
-        fin = torch.from_numpy(fin)
+        fin = torch.from_numpy(np.isfinite(a).all(-1))  # (B, C)
     else:
         fin = torch.isfinite(logits).all(-1).cpu()
     bad = ~fin & live.cpu()  # (B, C)
@@ -41,6 +45,23 @@ def _check_finite(logits: torch.Tensor, live: torch.Tensor) -> None:
         raise NonFiniteLogitsError(
             f"the step produced NaN or Inf logits for rows {rows}: the model's weights (or its "
             f"activations in this dtype) are not finite; nothing was sampled")
+
+
+def _canonical(t: torch.Tensor) -> torch.Tensor:
+    """t itself if it starts its storage with the contiguous strides for its shape, else a
+    contiguous copy.
+
+    WHY: a compiled step guards on its inputs' strides (and Inductor checks their alignment),
+    and a column slice of a one-row prompt keeps the parent's row stride (`.contiguous()` is a
+    no-op for it), which made every prefill call recompile; a copy of an input already laid out
+    so is a torch op per input and step."""
+    want, n = [], 1
+    for size in reversed(t.shape):
+        want.append(n)
+        n *= size
+    if t.storage_offset() == 0 and t.stride() == tuple(reversed(want)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 class HostDecoder:
@@ -261,7 +282,7 @@ class HostDecoder:
             ids, live = torch.nn.functional.pad(ids, (0, pad)), torch.nn.functional.pad(live, (0, pad))
         lg = self._call(ids, self._count, live)
         self._count += live.sum(1)
-        return lg[:, :n].float().cpu()
+        return (lg if lg.shape[1] == n else lg[:, :n]).float().cpu()
 
     def _steady(self, on: bool = True):
         """A context in which the caller runs none of its user's code between steps; a backend
@@ -424,35 +445,40 @@ class HostDecoder:
         """`generate` without speculation (arguments validated there): (B, max_new_tokens) tokens."""
         self.reset()
         logits = self.prefill(ids, live, last_only=True)  # (B, V)
-        out = torch.full((self.batch_size, max_new_tokens), pad, dtype=torch.long)
-        done = torch.zeros(self.batch_size, dtype=torch.bool)
+        # WHY numpy for the loop's bookkeeping: each torch op on a (B,) tensor costs several
+        # microseconds, after a step that streamed every weight through the caches several
+        # times that, and a loop of a dozen of them was a tenth of the built-in model's step;
+        # the tokens fed back are written into two (B, 1) tensors that share numpy's memory.
+        out = np.full((self.batch_size, max_new_tokens), pad, dtype=np.int64)
+        done = np.zeros(self.batch_size, dtype=bool)
+        feed = torch.zeros(self.batch_size, 1, dtype=torch.long)  # (B, 1) the tokens fed back
+        feed_live = torch.ones(self.batch_size, 1, dtype=torch.bool)  # (B, 1) rows still running
         if streamer is not None:
             streamer.put(ids)
         for t in range(max_new_tokens):
             if sample:
-                probs = torch.softmax(warp(out[:, :t], logits.float()), dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
+                probs = torch.softmax(warp(torch.from_numpy(out[:, :t]), logits.float()), dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=gen)[:, 0].numpy()
             else:
-                nxt = logits.argmax(-1)
-            out[:, t] = torch.where(done, pad, nxt)
+                nxt = logits.numpy().argmax(-1)  # the first of equal maxima, as torch's argmax
+            out[:, t] = np.where(done, pad, nxt)
             if streamer is not None:
-                streamer.put(out[:, t].clone())
+                streamer.put(torch.from_numpy(out[:, t].copy()))
             if eos is not None:
                 done |= nxt == eos
-            if t + 1 == max_new_tokens or bool(done.all()):
+            if t + 1 == max_new_tokens or done.all():
                 break
-            logits = self._feed(torch.where(done, 0, nxt)[:, None], ~done[:, None])[:, 0]
+            feed.numpy()[:, 0] = np.where(done, 0, nxt)
+            feed_live.numpy()[:, 0] = ~done
+            logits = self._feed(feed, feed_live)[:, 0]
         if streamer is not None:
             streamer.end()
-        return out
+        return torch.from_numpy(out)
 
     def _call(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor,
               last_only: bool = False) -> torch.Tensor:
-        # Fresh contiguous copies with canonical strides: a compiled step guards on input
-        # strides, and a column slice of a one-row prompt keeps the parent's row stride
-        # (.contiguous() is a no-op for it), which made every prefill call recompile.
-        canon = lambda t: t.clone(memory_format=torch.contiguous_format)
-        out = (self._run_last if last_only else self._run)(canon(tokens), canon(input_pos), canon(live))
+        out = (self._run_last if last_only else self._run)(_canonical(tokens), _canonical(input_pos),
+                                                           _canonical(live))
         # A fed token can be forgotten until rollback_limit later ones have been fed (the ring
         # and the routing history keep the last rollback_limit tokens beyond what a step needs).
         self._undo.add_(live.sum(1)).clamp_(max=self.rollback_limit)  # in place: fewer ops per step

@@ -58,3 +58,23 @@ def test_non_finite_logits_raise_instead_of_sampling(model):
         dec.decode(ids[:, 0])
     good = StaticDecoder(model, batch_size=1, prefill_chunk=4)  # the same calls pass on clean weights
     assert good.generate(ids, max_new_tokens=3).shape == (1, 3)
+
+
+def test_finite_check_looks_past_a_sum_that_overflows_and_at_live_tokens_only():
+    """The logits check sums first: a sum that overflows (every value finite) must not raise,
+    a NaN or an Inf at a live token must (naming its row, in any float dtype), one at a dead
+    token must not."""
+    from shram_static.host import _check_finite
+
+    live = torch.tensor([[True, False], [True, True]])
+    big = torch.full((2, 2, 300), 3e38)
+    big[1, 1, ::2] = -3e38
+    _check_finite(big, live)  # the sum overflows, every value is finite
+    for dtype in (torch.float32, torch.bfloat16):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            lg = torch.randn(2, 2, 300).to(dtype)
+            lg[0, 1, 7] = bad  # a dead token
+            _check_finite(lg, live)
+            lg[1, 0, 299] = bad
+            with pytest.raises(NonFiniteLogitsError, match=r"rows \[1\]"):
+                _check_finite(lg, live)
