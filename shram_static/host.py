@@ -481,7 +481,10 @@ class HostDecoder:
                                                            _canonical(live))
         # A fed token can be forgotten until rollback_limit later ones have been fed (the ring
         # and the routing history keep the last rollback_limit tokens beyond what a step needs).
-        self._undo.add_(live.sum(1)).clamp_(max=self.rollback_limit)  # in place: fewer ops per step
+        # In place through numpy's view of the counter: a torch op on a (B,) tensor costs
+        # several times a numpy one, and this runs after every step.
+        undo = self._undo.numpy()
+        np.minimum(undo + live.numpy().sum(1), self.rollback_limit, out=undo)
         _check_finite(out, live.any(1, keepdim=True) if last_only else live)
         return out
 
