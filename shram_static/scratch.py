@@ -14,8 +14,8 @@ would share its scratch.
 WHY a source transformation of Inductor's generated code: Inductor has no setting that keeps
 a CPU step's intermediates between calls (`memory_planning` pools them per call through one
 Python call per buffer, which is slower), and its C++ wrapper cannot compile the nested layer
-region and, with the layers unrolled, was slower (docs/performance.md). The rewrite reads Inductor's private wrapper format and
-`PyCodeCache.modules`, so it is the accelerator `persistent_scratch`
+region and, with the layers unrolled, was slower (docs/performance.md). The rewrite reads
+Inductor's private wrapper format and `PyCodeCache.modules`, so it is the accelerator `persistent_scratch`
 (shram_static/accelerators.py): on torch releases it was not verified on, or under
 `SHRAM_STATIC_STOCK`, the generated code runs as Inductor wrote it.
 """
