@@ -20,4 +20,5 @@ class ExportFormatError(ValueError):
 
 class NonFiniteLogitsError(ValueError):
     """A step produced NaN or Inf logits for a live token (bad weights, or an overflow in a low
-    precision dtype); nothing was sampled from them."""
+    precision dtype); nothing was sampled from them. The step had run: the decoder holds its
+    tokens (`live_counts` counts them); `reset()` or `reset_rows` starts over."""

@@ -156,7 +156,6 @@ class HostDecoder:
         pad = (-N) % C
         ids = torch.nn.functional.pad(ids, (0, pad))
         live = torch.nn.functional.pad(live, (0, pad))
-        pos = self._count.clone()
         out = []
         last = torch.zeros(B, V)  # (B, V) logits at each row's last live token so far
         for c0 in range(0, N + pad, C):
@@ -165,13 +164,11 @@ class HostDecoder:
                 if not last_only:
                     out.append(torch.zeros(B, C, V))
                 continue
-            lg = self._call(ids[:, c0:c0 + C], pos, lc, last_only).float().cpu()  # (B, C or 1, V)
+            lg = self._call(ids[:, c0:c0 + C], lc, last_only).float().cpu()  # (B, C or 1, V)
             if last_only:  # lg (B, 1, V) at each row's last live token in this chunk
                 last = torch.where(lc.any(1)[:, None], lg[:, 0], last)
             else:
                 out.append(lg)
-            pos += lc.long().sum(1)
-            self._count = pos.clone()
         return last if last_only else torch.cat(out, dim=1)[:, :N]
 
     def decode(self, ids: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
@@ -280,8 +277,7 @@ class HostDecoder:
         if 1 < n < self.verify_len:  # the verify step's fixed shape: pad with dead tokens
             pad = self.verify_len - n
             ids, live = torch.nn.functional.pad(ids, (0, pad)), torch.nn.functional.pad(live, (0, pad))
-        lg = self._call(ids, self._count, live)
-        self._count += live.sum(1)
+        lg = self._call(ids, live)
         return (lg if lg.shape[1] == n else lg[:, :n]).float().cpu()
 
     def _steady(self, on: bool = True):
@@ -358,10 +354,8 @@ class HostDecoder:
         if not last_only and input_ids.shape[1] > 1:
             self._need_full_logits("step(...) of a prefill chunk without last_only=True")
         lv = check_mask(live, input_ids.shape, "live").cpu()
-        n_new = lv.long().sum(1)
-        self._check_capacity(n_new)
-        logits = self._call(input_ids.long().cpu(), self._count, lv, last_only and input_ids.shape[1] > 1)
-        self._count += n_new
+        self._check_capacity(lv.long().sum(1))
+        logits = self._call(input_ids.long().cpu(), lv, last_only and input_ids.shape[1] > 1)
         return logits.float().cpu()
 
     @torch.no_grad()
@@ -475,16 +469,21 @@ class HostDecoder:
             streamer.end()
         return torch.from_numpy(out)
 
-    def _call(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor,
-              last_only: bool = False) -> torch.Tensor:
-        out = (self._run_last if last_only else self._run)(_canonical(tokens), _canonical(input_pos),
+    def _call(self, tokens: torch.Tensor, live: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Runs one step of tokens (B, C) with live (B, C) (CPU, checked) after each row's live
+        tokens, advances both counters by the live tokens, then checks the logits (which the
+        step has produced either way: its state holds the tokens). Returns `_run`'s logits (or
+        `_run_last`'s with `last_only`)."""
+        out = (self._run_last if last_only else self._run)(_canonical(tokens), _canonical(self._count),
                                                            _canonical(live))
+        # In place through numpy's views of the counters: a torch op on a (B,) tensor costs
+        # several times a numpy one, and this runs after every step.
+        fed = live.numpy().sum(1)  # (B,) live tokens each row took
+        count, undo = self._count.numpy(), self._undo.numpy()
+        count += fed
         # A fed token can be forgotten until rollback_limit later ones have been fed (the ring
         # and the routing history keep the last rollback_limit tokens beyond what a step needs).
-        # In place through numpy's view of the counter: a torch op on a (B,) tensor costs
-        # several times a numpy one, and this runs after every step.
-        undo = self._undo.numpy()
-        np.minimum(undo + live.numpy().sum(1), self.rollback_limit, out=undo)
+        np.minimum(undo + fed, self.rollback_limit, out=undo)
         _check_finite(out, live.any(1, keepdim=True) if last_only else live)
         return out
 

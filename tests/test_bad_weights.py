@@ -56,6 +56,7 @@ def test_non_finite_logits_raise_instead_of_sampling(model):
     dec.reset()
     with pytest.raises(NonFiniteLogitsError):
         dec.decode(ids[:, 0])
+    assert dec.live_counts.tolist() == [1]  # the step ran: its token is held, and counted
     good = StaticDecoder(model, batch_size=1, prefill_chunk=4)  # the same calls pass on clean weights
     assert good.generate(ids, max_new_tokens=3).shape == (1, 3)
 
