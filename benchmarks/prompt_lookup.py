@@ -75,7 +75,7 @@ class Scripted:
 def steps(prompt: list[int], new: list[int], vocab: int, setting, k: int = 4) -> dict:
     """speculative_generate's stats replaying `new` after `prompt` with a lookup setting and at
     most k guesses per verify step (of k + 1 tokens)."""
-    from transformers import LogitsProcessorList
+    from shram_static.sampling import Sampler
 
     from shram_static import speculative
     dec = Scripted(prompt + new, vocab, verify_len=k + 1)
@@ -90,7 +90,7 @@ def steps(prompt: list[int], new: list[int], vocab: int, setting, k: int = 4) ->
         p.start()
     try:
         out = speculative.speculative_generate(dec, ids, torch.ones_like(ids, dtype=torch.bool), len(new), False,
-                                               LogitsProcessorList(), None, None, 0, None, k, stats=st)
+                                               Sampler(0), None, None, 0, None, k, stats=st)
     finally:
         for p in patches:
             p.stop()

@@ -134,7 +134,7 @@ def run_prompt(dec, ids: torch.Tensor, n: int, k: int, rounds: int, clock=time.p
     streamer noting it would be the caller's code between steps, which makes a compiled
     decoder check every step (`StaticDecoder._steady`). Inside both loops every step fed
     after the first token is timed as well (`_split`, the median round's)."""
-    from transformers.generation.logits_process import LogitsProcessorList
+    from .sampling import Sampler
 
     from .speculative import speculative_generate
     live = torch.ones_like(ids, dtype=torch.bool)
@@ -146,7 +146,7 @@ def run_prompt(dec, ids: torch.Tensor, n: int, k: int, rounds: int, clock=time.p
             want = dec.generate(ids, max_new_tokens=n)
         t1 = clock()
         with _timed_feeds(dec, clock) as spec_feeds:
-            got = speculative_generate(dec, ids, live, n, False, LogitsProcessorList(), None, None, 0, None, k,
+            got = speculative_generate(dec, ids, live, n, False, Sampler(0), None, None, 0, None, k,
                                        None, stats)  # what generate(speculate=k) runs, its step counts kept
         t2 = clock()
         with dec._steady():

@@ -10,7 +10,7 @@ import os
 
 from .config import ShramConfig
 from .model import ShramForCausalLM
-from .tokenizer import ByteTokenizer, load_tokenizer
+from .tokenizer import ByteTokenizer, TokenIdsOnly, load_tokenizer
 
 BUILTIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin")
 
@@ -31,23 +31,24 @@ def default_model() -> ShramForCausalLM:
     return ShramForCausalLM.from_pretrained(BUILTIN_DIR)
 
 
-def load_model_and_tokenizer(checkpoint: str | None = None):
+def load_model_and_tokenizer(checkpoint: str | None = None, token_ids_only: bool = False):
     """(model, tokenizer) for a checkpoint directory, or the built-in model and the byte
     tokenizer when `checkpoint` is None.
 
     A checkpoint directory with a `tokenizer.json` uses it; otherwise the byte tokenizer, which
-    needs a vocabulary of at least 259 tokens.
+    must cover the model's vocabulary (259 tokens).
+
+    Args:
+        checkpoint: a checkpoint directory, or None for the built-in model.
+        token_ids_only: no tokenizer at all (`TokenIdsOnly`): a model served by token ids.
 
     Raises:
         FileNotFoundError, CheckpointError (a ValueError), ValueError: a directory that cannot
-        be loaded, or whose tokenizer does not fit the model's vocabulary.
+        be loaded, or whose tokenizer does not cover the model's vocabulary.
     """
+    model = default_model() if checkpoint is None else ShramForCausalLM.from_pretrained(checkpoint)
+    if token_ids_only:
+        return model, TokenIdsOnly(model.config.vocab_size, getattr(model.config, "eos_token_id", None))
     if checkpoint is None:
-        return default_model(), ByteTokenizer()
-    model = ShramForCausalLM.from_pretrained(checkpoint)
-    tok = load_tokenizer(checkpoint)
-    if isinstance(tok, ByteTokenizer) and model.config.vocab_size < tok.vocab_size:
-        raise ValueError(f"checkpoint {checkpoint!r} has no tokenizer.json and its vocab_size "
-                         f"{model.config.vocab_size} is smaller than the built-in byte tokenizer's "
-                         f"{tok.vocab_size}; add the checkpoint's tokenizer.json to the directory")
-    return model, tok
+        return model, ByteTokenizer()
+    return model, load_tokenizer(checkpoint, model.config)

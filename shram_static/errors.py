@@ -21,4 +21,15 @@ class ExportFormatError(ValueError):
 class NonFiniteLogitsError(ValueError):
     """A step produced NaN or Inf logits for a live token (bad weights, or an overflow in a low
     precision dtype); nothing was sampled from them. The step had run: the decoder holds its
-    tokens (`live_counts` counts them); `reset()` or `reset_rows` starts over."""
+    tokens (`live_counts` counts them); `reset()` or `reset_rows` starts over.
+
+    Attributes:
+        rows: the rows with a non-finite logit at a live token.
+        logits: the step's logits; the other rows' are valid (a server ends only the bad
+            rows' requests and samples the others' next tokens from them).
+    """
+
+    def __init__(self, message: str, rows=(), logits=None):
+        super().__init__(message)
+        self.rows = list(rows)
+        self.logits = logits

@@ -11,11 +11,10 @@ import contextlib
 
 import numpy as np
 import torch
-from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
-                                                    TopKLogitsWarper, TopPLogitsWarper)
 
 from .config import ShramConfig
 from .errors import CapacityError, NonFiniteLogitsError
+from .sampling import Sampler
 from .validation import check_capacity, check_input_ids, check_mask
 
 __all__ = ["CapacityError", "HostDecoder"]
@@ -44,7 +43,7 @@ def _check_finite(logits: torch.Tensor, live: torch.Tensor) -> None:
         rows = sorted({int(r) for r in bad.nonzero()[:, 0]})
         raise NonFiniteLogitsError(
             f"the step produced NaN or Inf logits for rows {rows}: the model's weights (or its "
-            f"activations in this dtype) are not finite; nothing was sampled")
+            f"activations in this dtype) are not finite; nothing was sampled", rows, logits)
 
 
 def _canonical(t: torch.Tensor) -> torch.Tensor:
@@ -370,7 +369,8 @@ class HostDecoder:
             input_ids, attention_mask: the prompt, as in `prefill`; every row needs a live token.
             max_new_tokens: n tokens to produce per row.
             do_sample: sample instead of argmax (also implied by temperature/top_k/top_p).
-            temperature, top_k, top_p: sampling filters (transformers' logits warpers).
+            temperature, top_k, top_p: sampling filters (`sampling.Sampler`: any finite
+                temperature > 0; a tiny one gives greedy's tokens).
             seed: seeds the sampler for reproducible samples.
             eos_token_id: stops a row once produced (default: the decoder's tokenizer EOS).
             pad_token_id: fills a row after it stopped (default: eos_token_id, else 0).
@@ -388,8 +388,9 @@ class HostDecoder:
         """
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        if temperature <= 0:
+        if not isinstance(temperature, (int, float)) or not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        warp = Sampler(temperature, top_k, top_p)  # raises on a bad setting, before anything runs
         ids, live = self._check_prompt(input_ids, attention_mask)
         n_prompt = live.long().sum(1)
         if bool((n_prompt == 0).any()):
@@ -402,13 +403,6 @@ class HostDecoder:
         eos = self.eos_token_id if eos_token_id is None else eos_token_id
         pad = pad_token_id if pad_token_id is not None else (eos if eos is not None else 0)
         sample = do_sample or temperature != 1.0 or top_k is not None or top_p is not None
-        warp = LogitsProcessorList()
-        if temperature != 1.0:
-            warp.append(TemperatureLogitsWarper(temperature))
-        if top_k is not None:
-            warp.append(TopKLogitsWarper(top_k))
-        if top_p is not None:
-            warp.append(TopPLogitsWarper(top_p))
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         if speculate is not None or draft is not None:
             k = 4 if speculate is None else speculate
@@ -451,8 +445,7 @@ class HostDecoder:
             streamer.put(ids)
         for t in range(max_new_tokens):
             if sample:
-                probs = torch.softmax(warp(torch.from_numpy(out[:, :t]), logits.float()), dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=gen)[:, 0].numpy()
+                nxt = warp.sample(logits, gen).numpy()
             else:
                 nxt = logits.numpy().argmax(-1)  # the first of equal maxima, as torch's argmax
             out[:, t] = np.where(done, pad, nxt)

@@ -78,24 +78,23 @@ class PromptLookup:
         return []
 
 
-def _pick(logits: torch.Tensor, warp, seen: torch.Tensor, sample: bool,
-          gen) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(token, probabilities or None) from (V,) logits: argmax, or a sample of the warped softmax."""
+def _pick(logits: torch.Tensor, warp, sample: bool, gen) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(token, probabilities or None) from (V,) logits: argmax, or a sample of the `Sampler`
+    warp's distribution."""
     if not sample:
         return logits.argmax(-1), None
-    p = torch.softmax(warp(seen[None], logits.float()[None])[0], dim=-1)
+    p = warp.probs(logits)
     return torch.multinomial(p, 1, generator=gen)[0], p
 
 
-def _accept(logits: torch.Tensor, drafts: list[int], q: list | None, warp, seen: torch.Tensor, sample: bool,
-            gen) -> list[int]:
+def _accept(logits: torch.Tensor, drafts: list[int], q: list | None, warp, sample: bool, gen) -> list[int]:
     """The tokens one verified row emits: the accepted guesses, then the target's own token.
 
     Args:
         logits: (n+1, V) target logits after the last token and after each of the n guesses.
         drafts: the n guesses.
         q: the draft's (V,) probabilities per guess (sampling with a draft decoder), else None.
-        seen: (t,) tokens the row produced so far (what the logits warpers see).
+        warp: the `sampling.Sampler` of the request.
     """
     out: list[int] = []
     if not sample:  # the guesses equal to the argmax, then the argmax after them
@@ -106,8 +105,7 @@ def _accept(logits: torch.Tensor, drafts: list[int], q: list | None, warp, seen:
             out.append(d)
         return out + [top[len(drafts)]]
     for i, d in enumerate(drafts):
-        ctx = torch.cat([seen, torch.tensor(out, dtype=torch.long)])
-        p = torch.softmax(warp(ctx[None], logits[i].float()[None])[0], dim=-1)
+        p = warp.probs(logits[i])
         qd = q[i] if q is not None else torch.zeros_like(p).index_fill_(0, torch.tensor([d]), 1.0)
         if torch.rand((), generator=gen) < torch.clamp(p[d] / qd[d].clamp(min=1e-30), max=1.0):
             out.append(d)
@@ -115,8 +113,7 @@ def _accept(logits: torch.Tensor, drafts: list[int], q: list | None, warp, seen:
         resid = (p - qd).clamp(min=0)
         resid = resid / resid.sum() if float(resid.sum()) > 0 else p
         return out + [int(torch.multinomial(resid, 1, generator=gen)[0])]
-    ctx = torch.cat([seen, torch.tensor(out, dtype=torch.long)])
-    t, _ = _pick(logits[len(drafts)], warp, ctx, sample, gen)
+    t, _ = _pick(logits[len(drafts)], warp, sample, gen)
     return out + [int(t)]
 
 
@@ -150,6 +147,8 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
     Args:
         dec: the target `HostDecoder`.
         ids, live: (B, N) prompt and its live mask.
+        sample, warp, gen: sample (else greedy) with the `sampling.Sampler` warp and the
+            generator gen.
         speculate: k, the most guesses per row and round.
         draft: a `HostDecoder` with the same batch size and vocabulary, or None (prompt lookup).
         stats: if a dict, gets "rounds" (verify steps), "decodes" (plain decode steps),
@@ -197,11 +196,6 @@ def _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, stre
     if streamer is not None:
         streamer.put(ids)
 
-    def seen(b: int) -> torch.Tensor | None:
-        """(t,) the tokens row b produced so far, what the logits warpers see when sampling;
-        None when greedy (nothing reads them, and building the tensor costs a few us)."""
-        return torch.tensor(rows[b], dtype=torch.long) if sample else None
-
     def emit(b: int, toks: list[int]) -> None:
         """Appends a row's new tokens, up to its EOS or max_new_tokens."""
         for i, t in enumerate(toks):
@@ -219,7 +213,7 @@ def _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, stre
             streamed += 1
 
     for b in range(B):
-        t, _ = _pick(logits[b], warp, seen(b), sample, gen)  # nothing produced yet
+        t, _ = _pick(logits[b], warp, sample, gen)  # nothing produced yet
         emit(b, [int(t)])
         pending[b] = [int(t)]
     k = kmax  # draft decoder: adapted per round
@@ -239,7 +233,7 @@ def _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, stre
                 dl = _feed_last(draft, feed)  # (B, V)
                 for b in range(B):
                     if i < room[b]:
-                        t, p = _pick(dl[b], warp, seen(b), sample, gen)
+                        t, p = _pick(dl[b], warp, sample, gen)
                         drafts[b].append(int(t))
                         q[b].append(p)
                 feed = [[drafts[b][-1]] if i + 1 < room[b] else [] for b in range(B)]
@@ -254,7 +248,7 @@ def _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, stre
             st["decodes"] += 1
             for b in range(B):
                 if not done[b]:
-                    t, _ = _pick(logits[b], warp, seen(b), sample, gen)
+                    t, _ = _pick(logits[b], warp, sample, gen)
                     emit(b, [int(t)])
                     pending[b].append(int(t))  # the draft was not fed this round
             continue
@@ -273,7 +267,7 @@ def _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, stre
                 continue
             d = drafts[b]
             toks = _accept(vl[b, :len(d) + 1], d, q[b] if draft is not None and sample else None, warp,
-                           seen(b), sample, gen)
+                           sample, gen)
             a = len(toks) - 1  # guesses kept
             st["accepted"] += a
             st["proposed"] += len(d)

@@ -203,9 +203,55 @@ def _guess_special_tokens(spec: dict) -> dict:
     return out
 
 
-def load_tokenizer(directory=None):
+class TokenIdsOnly:
+    """No tokenizer: a model served by token ids alone (`serve --token-ids-only`).
+
+    `encode` raises; `decode` gives '' (the ids themselves are the output).
+
+    Args:
+        vocab_size: the model's vocabulary size.
+        eos_token_id: id that ends a sequence (None: none).
+    """
+
+    token_ids_only = True
+    bos_token_id = None
+    pad_token_id = None
+
+    def __init__(self, vocab_size: int, eos_token_id: int | None = None):
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        raise ValueError("this model has no tokenizer (token ids only): give token ids, not text")
+
+    def decode(self, ids) -> str:
+        return ""
+
+
+def load_tokenizer(directory=None, config=None):
     """The tokenizer of a checkpoint directory: its `tokenizer.json` if it has one, else the
-    built-in `ByteTokenizer` (also for `directory=None`)."""
+    built-in `ByteTokenizer` (also for `directory=None`).
+
+    Args:
+        directory: a checkpoint directory, or None.
+        config: the model's config (anything with `vocab_size`), to check that the byte
+            tokenizer fits it: the model's vocabulary must be the byte tokenizer's 259 ids.
+
+    Raises:
+        ValueError: `tokenizer.json` cannot be read, or the byte tokenizer (no `tokenizer.json`)
+            does not fit the model's vocabulary; the message says how to supply one.
+    """
     if directory is not None and os.path.isfile(os.path.join(os.fspath(directory), TOKENIZER_FILE)):
         return HFTokenizer(directory)
-    return ByteTokenizer()
+    tok = ByteTokenizer()
+    V = getattr(config, "vocab_size", None)
+    if V is not None and V != tok.vocab_size:
+        where = f"{os.fspath(directory)!r} has no {TOKENIZER_FILE}" if directory is not None else "no tokenizer given"
+        why = ("it would emit ids the byte tokenizer cannot decode" if V > tok.vocab_size
+               else "the byte tokenizer's ids would not fit it")
+        raise ValueError(
+            f"the model's vocab_size {V} is not the built-in byte tokenizer's {tok.vocab_size} ids "
+            f"({why}) and {where}: copy the model's {TOKENIZER_FILE} (and "
+            f"{TOKENIZER_CONFIG_FILE}) into the checkpoint directory"
+            + (", or serve it by token ids with `shram-static serve --token-ids-only`" if V > tok.vocab_size else ""))
+    return tok

@@ -21,6 +21,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from shram_static import StaticDecoder  # noqa: E402
 from shram_static.default_model import default_model  # noqa: E402
@@ -210,10 +211,13 @@ def test_bad_inputs_get_400_naming_the_field_and_disturb_nobody(server, solo):
     assert httpx.get(f"{url}/health").status_code == 200
 
 
-def _metric(url, name):
-    for line in httpx.get(f"{url}/metrics", timeout=LIMIT_S).text.splitlines():
-        if line.startswith(name):
-            return float(line.rsplit(" ", 1)[1])
+def _metric(url, name, **labels):
+    """The value of one sample of /metrics, as prometheus_client's parser reads it."""
+    text = httpx.get(f"{url}/metrics", timeout=LIMIT_S).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == {"model": BUILTIN_NAME, **labels}:
+                return s.value
     raise KeyError(name)
 
 
@@ -226,21 +230,21 @@ def _wait(cond, what, every=0.02):
 
 def test_client_disconnect_cancels_its_row(server):
     url, engine = server
-    key = 'shram_requests_total{model="%s",finish_reason="cancelled"}' % BUILTIN_NAME
-    before = _metric(url, key)
+    key = dict(name="shram_requests_total", finish_reason="cancelled")
+    before = _metric(url, **key)
     body = {"prompt": "ROMEO:", "max_tokens": 500, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=LIMIT_S) as r:
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)  # a few tokens in: the row is decoding
-        tokens = engine.metrics.generation_tokens
-    _wait(lambda: _metric(url, key) == before + 1, "the stream's row was not cancelled")
+        tokens = engine.metrics.value("shram_generation_tokens_total")
+    _wait(lambda: _metric(url, **key) == before + 1, "the stream's row was not cancelled")
     assert engine.busy_rows == 0
-    assert engine.metrics.generation_tokens - tokens < 100  # stopped long before 500
+    assert engine.metrics.value("shram_generation_tokens_total") - tokens < 100  # stopped long before 500
     # a non-streamed request whose client gives up is cancelled too
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=0.5)
-    _wait(lambda: _metric(url, key) == before + 2, "the request's row was not cancelled")
+    _wait(lambda: _metric(url, **key) == before + 2, "the request's row was not cancelled")
     text = httpx.get(f"{url}/metrics").text
     for name in ("busy_rows", "queue_depth", "generation_tokens_total", "step_seconds_sum"):
         assert f"shram_{name}" in text

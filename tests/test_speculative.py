@@ -8,11 +8,11 @@ import time
 
 import pytest
 import torch
-from transformers.generation.logits_process import LogitsProcessorList
 
 from helpers import DATA, golden_case, load_benchmark, random_ids, random_model, tiny_model
 from shram_static import StaticDecoder
 from shram_static.cli import main
+from shram_static.sampling import Sampler
 from shram_static.speculative import LOOKUP_NGRAMS, PromptLookup, _accept, speculative_generate
 
 
@@ -116,16 +116,16 @@ def test_acceptance_rule_keeps_the_target_distribution():
     logits = torch.randn(2, V, generator=gen) * 1.5
     p = torch.softmax(logits[0], -1)
     q = torch.softmax(torch.randn(V, generator=gen), -1)
-    none, seen = LogitsProcessorList(), torch.zeros(0, dtype=torch.long)
+    plain = Sampler()  # temperature 1, no filters: the target distribution is softmax(logits)
     for guess, qq in (("draft", q), ("lookup", None)):
         counts = torch.zeros(V)
         for _ in range(n):
             d = int(torch.multinomial(q, 1, generator=gen)) if qq is not None else 3
-            counts[_accept(logits, [d], [qq] if qq is not None else None, none, seen, True, gen)[0]] += 1
+            counts[_accept(logits, [d], [qq] if qq is not None else None, plain, True, gen)[0]] += 1
         assert (counts / n - p).abs().max() < 0.025, guess
     top = int(logits[0].argmax())
-    assert _accept(logits, [top], None, none, seen, False, None) == [top, int(logits[1].argmax())]
-    assert _accept(logits, [(top + 1) % V], None, none, seen, False, None) == [top]
+    assert _accept(logits, [top], None, plain, False, None) == [top, int(logits[1].argmax())]
+    assert _accept(logits, [(top + 1) % V], None, plain, False, None) == [top]
 
 
 @pytest.mark.parametrize("sizes", [(3, 1), (8, 2), None])  # None: the package's LOOKUP_NGRAMS
@@ -203,7 +203,7 @@ def test_bench_speculative_times_every_fed_step_and_leaves_the_decoder_as_it_was
     st = {}
     draft = StaticDecoder(tiny_model(num_decoder_layers=1), batch_size=1, prefill_chunk=4, verify_len=4)
     with _timed_feeds(dec, time.perf_counter) as feeds:  # a draft decoder guesses every round
-        speculative_generate(dec, ids, torch.ones_like(ids, dtype=torch.bool), 9, False, LogitsProcessorList(),
+        speculative_generate(dec, ids, torch.ones_like(ids, dtype=torch.bool), 9, False, Sampler(0),
                              None, None, 0, None, 3, draft, st)
     assert st["rounds"] > 0 and sum(n > 1 for n, _ in feeds) == st["rounds"]
     assert sum(n == 1 for n, _ in feeds) == st["decodes"]

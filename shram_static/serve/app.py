@@ -4,35 +4,40 @@
 compiles in the engine's thread, `/health` says 503 meanwhile) and stops it at shutdown. The
 app keeps no state outside itself, so several processes (replicas) serve behind any load
 balancer. Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
-`GET /health`, `GET /metrics`.
+`GET /health`, `GET /metrics`. Every response that is not a success, on any path, is an OpenAI
+error object (`{"error": {"message", "type", "param", "code"}}`) and is counted (`guard.py`).
 """
 
 import asyncio
 import contextlib
 import json
 import os
-import secrets
 import time
 import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from .engine import Engine, Event, Job, NotReady, QueueFull
+from .guard import BearerAuth, Guard
+from .limits import MAX_BODY_BYTES, MAX_STOP, MAX_STOP_CHARS
+from .metrics import CONTENT_TYPE
 from .schema import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 
 BUILTIN_NAME = "shram-static-builtin"
 
 
 def load_decoder(checkpoint: str | None, backend: str, batch_size: int, prefill_chunk: int,
-                 stack: contextlib.ExitStack):
+                 stack: contextlib.ExitStack, token_ids_only: bool = False):
     """(decoder, tokenizer) of a checkpoint directory (None: the built-in model) on `backend`,
-    with `batch_size` rows; `stack` owns an export backend's temporary directory."""
+    with `batch_size` rows; `stack` owns an export backend's temporary directory. With
+    `token_ids_only` the tokenizer is `TokenIdsOnly` (prompts and outputs as token ids)."""
     from ..backends import make_decoder
     from ..default_model import load_model_and_tokenizer
 
-    model, tok = load_model_and_tokenizer(checkpoint)
+    model, tok = load_model_and_tokenizer(checkpoint, token_ids_only=token_ids_only)
     if checkpoint is not None:
         attach_chat_template(tok, checkpoint)
     dec = make_decoder(model, backend, prefill_chunk, stack, tok.eos_token_id,
@@ -61,7 +66,9 @@ def attach_chat_template(tok, directory) -> None:
 
 def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, backend: str = "eager",
                batch_size: int = 4, prefill_chunk: int = 16, max_queue: int = 64,
-               api_key: str | None = None, model_name: str | None = None) -> FastAPI:
+               api_key: str | None = None, model_name: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES, max_stop: int = MAX_STOP,
+               max_stop_chars: int = MAX_STOP_CHARS, token_ids_only: bool = False) -> FastAPI:
     """The server app.
 
     Args:
@@ -75,17 +82,25 @@ def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, b
         api_key: when set, /v1/* requests need `Authorization: Bearer <api_key>`.
         model_name: the id of `/v1/models` (default: the checkpoint directory's name, or
             "shram-static-builtin").
+        max_body_bytes: the largest request body (default 1 MiB); a larger one gets 413.
+        max_stop: most stop strings per request (default 4, as OpenAI); max_stop_chars: the
+            longest one (default 64 characters). More gets 400.
+        token_ids_only: serve without a tokenizer (a checkpoint without its tokenizer.json):
+            prompts are token ids, each choice carries its `token_ids` and empty text, and a
+            text prompt, a stop string or a chat request gets 400.
 
     Returns:
         A FastAPI (ASGI) application.
     """
     stack = contextlib.ExitStack()
     if engine is None:
-        engine = Engine(lambda: load_decoder(checkpoint, backend, batch_size, prefill_chunk, stack),
-                        max_queue=max_queue)
+        engine = Engine(lambda: load_decoder(checkpoint, backend, batch_size, prefill_chunk, stack,
+                                             token_ids_only), max_queue=max_queue)
     name = model_name or (BUILTIN_NAME if checkpoint is None
                           else os.path.basename(os.path.normpath(os.fspath(checkpoint))))
+    engine.metrics.set_model(name)
     created = int(time.time())
+    stops = (max_stop, max_stop_chars)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -100,16 +115,30 @@ def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, b
     app.state.model_name = name
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
+    app.add_middleware(Guard, metrics=engine.metrics, max_body_bytes=max_body_bytes)  # outermost
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        if e.status == 400:
-            engine.metrics.invalid += 1
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
         return await _api_error(request, validation_error(list(e.errors())))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, e: HTTPException):
+        # FastAPI's own: an unknown path (404), a wrong method (405), a body it cannot parse
+        # (400: not UTF-8, nested too deep)
+        if e.status_code == 404:
+            msg = f"unknown URL: {request.method} {request.url.path}"
+        elif e.status_code == 405:
+            msg = (f"method {request.method} is not allowed on {request.url.path}"
+                   + (f" (allowed: {e.headers['allow']})" if e.headers and "allow" in e.headers else ""))
+        elif e.status_code == 400:
+            msg = f"the request body could not be read as JSON: {e.detail}"
+        else:
+            msg = str(e.detail)
+        return await _api_error(request, APIError(e.status_code, msg, headers=dict(e.headers or {})))
 
     @app.get("/health")
     async def health():
@@ -121,10 +150,10 @@ def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, b
 
     @app.get("/metrics")
     async def metrics():
-        """Prometheus text: requests, tokens, queue depth, busy rows, step time."""
+        """Prometheus text: requests, tokens, errors, queue depth, busy rows, step time, and
+        histograms of time to first token, inter-token latency, request latency, queue wait."""
         B = engine.decoder.batch_size if engine.ready else 0
-        text = engine.metrics.render(engine.queue_depth, engine.busy_rows, B, name)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return Response(engine.metrics.render(engine.queue_depth, engine.busy_rows, B), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
@@ -142,7 +171,7 @@ def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, b
             raise APIError(400, "'logprobs' is not supported with 'stream'", "logprobs")
         # unset: 16 tokens, as OpenAI's legacy completions and vLLM (at most what fits)
         n = body.max_tokens if body.max_tokens is not None else min(16, engine.capacity - len(ids) + 1)
-        job = _job(body, ids, n, engine)
+        job = _job(body, ids, n, engine, stops)
         run = _Run(engine, job, request, "text_completion", name,
                    echo=(text if body.echo else ""), tokenizer=engine.tokenizer)
         if body.stream:
@@ -166,33 +195,14 @@ def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, b
             text = tok.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # jinja errors: a message the template cannot render
             raise APIError(400, f"the chat template could not render 'messages': {e}", "messages") from e
-        ids = _check_ids(tok.encode(text, add_bos=False), engine, "messages")
-        job = _job(body, ids, body.max_completion_tokens or body.max_tokens, engine)
+        ids = _check_ids(_encode(tok, text, "messages", add_bos=False), engine, "messages")
+        job = _job(body, ids, body.max_completion_tokens or body.max_tokens, engine, stops)
         run = _Run(engine, job, request, "chat.completion", name, tokenizer=tok)
         if body.stream:
             return StreamingResponse(run.stream(_usage(body)), media_type="text/event-stream")
         return await run.complete()
 
     return app
-
-
-class BearerAuth:
-    """ASGI middleware: /v1/* requests need `Authorization: Bearer <api_key>` (else 401)."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.key = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(got, self.key):
-                e = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                             type_="invalid_request_error", code="invalid_api_key",
-                             headers={"WWW-Authenticate": "Bearer"})
-                await JSONResponse(e.body(), 401, headers=e.headers)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 # -- request checks ---------------------------------------------------------------------
@@ -215,9 +225,24 @@ def _prompt(prompt, engine: Engine) -> tuple[list[int], str]:
             raise APIError(400, f"'prompt' holds {len(prompt)} prompts; send one per request", "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return _check_ids(engine.tokenizer.encode(prompt), engine, "prompt"), prompt
+        return _check_ids(_encode(engine.tokenizer, prompt, "prompt"), engine, "prompt"), prompt
     ids = _check_ids(prompt, engine, "prompt")
     return ids, engine.tokenizer.decode(ids)
+
+
+def _ids_only(tokenizer) -> bool:
+    return getattr(tokenizer, "token_ids_only", False)
+
+
+def _encode(tokenizer, text: str, param: str, add_bos: bool = True) -> list[int]:
+    """The token ids of a text, or a 400 naming `param`."""
+    if _ids_only(tokenizer):
+        raise APIError(400, f"this server has no tokenizer (--token-ids-only): send '{param}' as a list "
+                            f"of token ids", param)
+    try:
+        return tokenizer.encode(text, add_bos=add_bos)
+    except UnicodeError as e:  # a lone surrogate ("\\ud800") is not text
+        raise APIError(400, f"'{param}' is not valid Unicode text: {e}", param) from e
 
 
 def _check_ids(ids: list[int], engine: Engine, param: str) -> list[int]:
@@ -233,8 +258,16 @@ def _check_ids(ids: list[int], engine: Engine, param: str) -> list[int]:
     return list(ids)
 
 
-def _job(body, ids: list[int], max_tokens: int | None, engine: Engine) -> Job:
+def _job(body, ids: list[int], max_tokens: int | None, engine: Engine, limits: tuple[int, int]) -> Job:
     S = engine.capacity
+    stop, (most, longest) = body.stops(), limits
+    if len(stop) > most:
+        raise APIError(400, f"'stop' holds {len(stop)} strings; at most {most} are allowed", "stop")
+    if any(len(s) > longest for s in stop):
+        raise APIError(400, f"a 'stop' string is longer than {longest} characters", "stop")
+    if stop and _ids_only(engine.tokenizer):
+        raise APIError(400, "this server has no tokenizer (--token-ids-only): 'stop' strings cannot be "
+                            "matched", "stop")
     if max_tokens is not None and len(ids) + max_tokens - 1 > S:
         field = "max_tokens" if max_tokens == body.max_tokens else "max_completion_tokens"
         raise APIError(400, f"'{field}' is too large: the prompt ({len(ids)} tokens) plus {max_tokens} "
@@ -242,7 +275,7 @@ def _job(body, ids: list[int], max_tokens: int | None, engine: Engine) -> Job:
                             f"{S - len(ids) + 1} new tokens for this prompt)", field)
     return Job(prompt=ids, sink=None, max_tokens=max_tokens,
                temperature=1.0 if body.temperature is None else body.temperature,
-               top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stops(),
+               top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=stop,
                logprobs=getattr(body, "logprobs", None))
 
 
@@ -258,6 +291,7 @@ class _Run:
                  echo: str = "", tokenizer=None):
         self.job, self.request, self.kind, self.model = job, request, kind, model
         self.echo, self.tok = echo, tokenizer
+        self.ids_only = _ids_only(tokenizer)
         self.id = f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         loop = asyncio.get_running_loop()
@@ -276,9 +310,12 @@ class _Run:
         return {"prompt_tokens": P, "completion_tokens": n, "total_tokens": P + n}
 
     def _choice(self, text: str, finish: str | None, delta: bool, first: bool = False,
-                logprobs=None) -> dict:
+                logprobs=None, tokens: list[int] | None = None) -> dict:
         if self.kind == "text_completion":
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            c = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            if self.ids_only:  # no tokenizer: the tokens themselves (as vLLM's token_ids)
+                c["token_ids"] = tokens or []
+            return c
         if not delta:
             return {"index": 0, "message": {"role": "assistant", "content": text},
                     "logprobs": None, "finish_reason": finish}
@@ -315,7 +352,8 @@ class _Run:
                 if not get.done():
                     get.cancel()
                     self.job.cancel()
-                    return JSONResponse({}, status_code=499)  # nobody reads it
+                    e = APIError(499, "the client closed the connection")  # nobody reads it
+                    return JSONResponse(e.body(), status_code=499)
                 ev = get.result()
                 parts.append(ev.text)
                 lps += ev.logprobs or []
@@ -328,7 +366,8 @@ class _Run:
             raise APIError(500, f"the model failed: {ev.error}", type_="server_error")
         text = self.echo + "".join(parts)
         logprobs = self._logprobs(lps, len(self.echo)) if self.job.logprobs is not None else None
-        return self._obj([self._choice(text, finish, False, logprobs=logprobs)], False, self._usage())
+        choice = self._choice(text, finish, False, logprobs=logprobs, tokens=list(self.job.tokens))
+        return self._obj([choice], False, self._usage())
 
     async def stream(self, include_usage: bool):
         """OpenAI server-sent events: chunks, the usage chunk when asked, then [DONE]."""
@@ -346,8 +385,8 @@ class _Run:
                     yield sse({"error": {"message": f"the model failed: {ev.error}", "type": "server_error",
                                          "param": None, "code": None}})
                     break
-                if ev.text or finish:
-                    yield sse(self._obj([self._choice(ev.text, finish, True)], True, usage))
+                if ev.text or finish or (self.ids_only and ev.tokens):
+                    yield sse(self._obj([self._choice(ev.text, finish, True, tokens=ev.tokens)], True, usage))
             if include_usage:
                 yield sse(self._obj([], True, self._usage()))
             yield "data: [DONE]\n\n"

@@ -2,14 +2,18 @@
 
 Shutdown (SIGINT / SIGTERM): the server stops accepting connections, cancels queued requests,
 lets running rows finish for up to `--shutdown-timeout` seconds, then ends the remaining
-streams with `finish_reason: "cancelled"` and `data: [DONE]`, and exits. A second SIGINT exits
-at once.
+streams with `finish_reason: "cancelled"` and `data: [DONE]`, and exits with status 0. A second
+SIGINT exits at once. A model that fails to load, or a step that fails for all rows, ends every
+request with an error and exits with status 1 (a supervisor restarts the server).
 """
 
 import os
+import signal
+import sys
 
 from ..arguments import positive_int
 from ..backends import BACKENDS
+from .limits import MAX_BODY_BYTES, MAX_STOP, MAX_STOP_CHARS
 
 
 def serve(args) -> int:
@@ -24,15 +28,34 @@ def serve(args) -> int:
              + ("" if args.api_key else " (no --api-key set)"))
     app = create_app(checkpoint=args.checkpoint, backend=args.backend, batch_size=args.batch_size,
                      prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, api_key=args.api_key,
-                     model_name=args.model_name)
+                     model_name=args.model_name, max_body_bytes=args.max_body_bytes, max_stop=args.max_stop,
+                     max_stop_chars=args.max_stop_chars, token_ids_only=args.token_ids_only)
     info(f"serving {app.state.model_name} ({args.backend}, {args.batch_size} rows) on "
          f"http://{args.host}:{args.port}/v1; GET /health is 503 until the model is loaded"
          + (" and compiled" if args.backend == "compiled" else ""))
+    server = make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level)
+    # WHY: once it has shut down cleanly uvicorn raises the signal that stopped it again, under
+    # the handler that was there before; SIGTERM's default handler would end the process with
+    # status 143, which a supervisor reads as a crash. Both signals end in a clean exit here.
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level).run()
-    except KeyboardInterrupt:  # uvicorn raises SIGINT again once it has shut down cleanly
+        server.run()
+    except (KeyboardInterrupt, _Terminated):
         pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if server.failed:
+        print(f"error: the server stopped: {server.failed}", file=sys.stderr)
+        return 1
     return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM, raised again by uvicorn after its clean shutdown."""
+
+
+def _terminated(signum, frame):
+    raise _Terminated
 
 
 def _nonneg_float(text: str) -> float:
@@ -80,6 +103,15 @@ def register(subparsers) -> None:
     p.add_argument("--shutdown-timeout", type=_nonneg_float, default=10.0, metavar="S",
                    help="on SIGINT/SIGTERM, let running requests finish for S seconds (default 10)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--max-body-bytes", type=positive_int, default=MAX_BODY_BYTES, metavar="N",
+                   help=f"largest request body; a larger one gets 413 (default {MAX_BODY_BYTES}: 1 MiB)")
+    p.add_argument("--max-stop", type=positive_int, default=MAX_STOP, metavar="N",
+                   help=f"most stop strings per request (default {MAX_STOP}, as OpenAI)")
+    p.add_argument("--max-stop-chars", type=positive_int, default=MAX_STOP_CHARS, metavar="N",
+                   help=f"longest stop string, in characters (default {MAX_STOP_CHARS})")
+    p.add_argument("--token-ids-only", action="store_true",
+                   help="serve without a tokenizer (a checkpoint without its tokenizer.json): prompts "
+                        "are token ids, choices carry token_ids, text prompts get 400")
     p.set_defaults(func=serve)
 
     b = subparsers.add_parser("bench-serve", help="serving benchmark: concurrent streaming clients",

@@ -16,9 +16,17 @@ prompt:
   (docs/performance.md, "Serving"), while a decode step of B rows costs little more than one
   of a single row.
 
-Sampling happens per row on the host, each request with its own `torch.Generator`, so its
-tokens depend only on its own logits: at temperature 0 they are `generate`'s for the request
-alone, and a seeded request samples the same tokens whatever else runs.
+Sampling happens per row on the host (`sampling.Sampler`, as `generate` samples), each
+request with its own `torch.Generator`, so its tokens depend only on its own logits: at
+temperature 0 they are `generate`'s for the request alone, and a seeded request samples the
+same tokens whatever else runs.
+
+Faults are isolated: an error in one request's own work (its sampling, detokenizing, stop
+checks, a non-finite logit in its row) ends that request alone with finish_reason "error",
+frees its row and is counted; the other rows go on. An error of the step itself leaves the
+shared state unusable: every queued and running request ends with an error, the engine's
+status becomes "failed" and `on_fatal` is called (the server then exits non-zero, so a
+supervisor restarts it).
 """
 
 import collections
@@ -30,9 +38,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
-                                                    TopKLogitsWarper, TopPLogitsWarper)
 
+from ..errors import NonFiniteLogitsError
+from ..sampling import Sampler
 from .metrics import Metrics
 from .text import TextStream
 
@@ -90,6 +98,7 @@ class Job:
     cancelled: bool = False
     tokens: list[int] = field(default_factory=list)  # every sampled token (EOS included)
     t_submit: float = field(default_factory=time.perf_counter)
+    t_last: float = 0.0  # when its latest token was sampled
     seq: int = 0
 
     def cancel(self) -> None:
@@ -105,14 +114,7 @@ class _Row:
         self.fed = 0
         self.next: int | None = None  # sampled, not yet fed
         self.text = TextStream(tokenizer, job.stop, eos)
-        self.greedy = job.temperature == 0
-        self.warp = LogitsProcessorList()
-        if job.temperature not in (0, 1):
-            self.warp.append(TemperatureLogitsWarper(job.temperature))
-        if job.top_k is not None:
-            self.warp.append(TopKLogitsWarper(job.top_k))
-        if job.top_p is not None and job.top_p < 1:
-            self.warp.append(TopPLogitsWarper(job.top_p))
+        self.sampler = Sampler(job.temperature, job.top_k, job.top_p)
         # unseeded: from the OS (torch's global generator starts from the same seed every run)
         seed = job.seed if job.seed is not None else secrets.randbits(63)
         self.gen = torch.Generator().manual_seed(seed)
@@ -129,14 +131,17 @@ class Engine:
             reporting ready, so a compiled decoder compiles before the first request.
         long_prompt: prompt tokens left from which a joining row is prefilled in
             prefill-shape steps while other rows decode (default: 4 x prefill_chunk).
+        on_fatal: called (from the engine thread, with the error's text) once the model
+            failed to load or its step failed for all rows; the server exits then.
     """
 
     def __init__(self, load: Callable, max_queue: int = 64, warmup: bool = True,
-                 long_prompt: int | None = None):
+                 long_prompt: int | None = None, on_fatal: Callable[[str], None] | None = None):
         self._load = load
         self.max_queue = max_queue
         self._long_prompt = long_prompt
         self.warmup = warmup
+        self.on_fatal = on_fatal
         self.status = "loading"  # -> "compiling" -> "ready" (or "failed"), then "stopped"
         self.error: str | None = None
         self.decoder = None
@@ -227,7 +232,7 @@ class Engine:
             if self.status != "ready":
                 raise NotReady(self.error or f"the model is {self.status}")
             if len(self._pending) >= self.max_queue:
-                self.metrics.rejected += 1
+                self.metrics.observe_rejected()
                 raise QueueFull(f"the queue holds {self.max_queue} waiting requests (--max-queue)")
             job.seq = next(self._seq)
             self._pending.append(job)
@@ -246,20 +251,27 @@ class Engine:
                              torch.zeros(dec.batch_size, C, dtype=torch.bool), last_only=True)
             self._rows = [None] * self.decoder.batch_size
             self.status = "ready"
-        except Exception as e:  # reported by /health; the server stays up to say so
-            self.status, self.error = "failed", f"{type(e).__name__}: {e}"
-            self._ready.set()
+        except Exception as e:  # reported by /health until the server exits
+            self._fail(f"the model could not be loaded: {type(e).__name__}: {e}")
             return
         self._ready.set()
         try:
             while self._iterate():
                 pass
-        except Exception as e:  # a backend failure: every request is told, nothing hangs
-            self.status, self.error = "failed", f"{type(e).__name__}: {e}"
-            self._finish_all("error", self.error)
+        except Exception as e:  # the step failed for all rows: every request is told, nothing hangs
+            self._fail(f"the model's step failed: {type(e).__name__}: {e}")
             return
         self._finish_all("cancelled")
         self.status = "stopped"
+
+    def _fail(self, error: str) -> None:
+        """The engine cannot serve any more: every request ends with `error`, then `on_fatal`."""
+        with self._cv:
+            self.status, self.error = "failed", error
+        self._ready.set()
+        self._finish_all("error", error)
+        if self.on_fatal is not None:
+            self.on_fatal(error)
 
     def _finish_all(self, reason: str, error: str | None = None) -> None:
         with self._cv:
@@ -288,11 +300,15 @@ class Engine:
                     self._end(job, "cancelled")
             while self._pending and None in rows:
                 job = self._pending.popleft()
+                try:
+                    row = _Row(job, self.tokenizer, self.tokenizer.eos_token_id)
+                except Exception as e:  # this request's own settings: it alone ends
+                    self._end(job, "error", error=f"{type(e).__name__}: {e}")
+                    continue
                 b = rows.index(None)
-                rows[b] = _Row(job, self.tokenizer, self.tokenizer.eos_token_id)
+                rows[b] = row
                 self.decoder.reset_rows(b)
-                self.metrics.prompt_tokens += len(job.prompt)
-            self.metrics.queue_depth = len(self._pending)
+                self.metrics.observe_admit(len(job.prompt), time.perf_counter() - job.t_submit, len(self._pending))
         if all(r is None for r in rows):
             return True
         self._step()
@@ -322,8 +338,16 @@ class Engine:
             live[j, :len(chunks[j])] = True
         t0 = time.perf_counter()
         # (B, 1, V) at each row's last live token: a running row's one token, a joining row's
-        # chunk end (the lm_head runs for B rows, not B x W)
-        logits = dec.step(ids, live, last_only=True)
+        # chunk end (the lm_head runs for B rows, not B x W). Any other error of the step
+        # leaves the shared state unknown: it goes up to `_main`, which ends everything.
+        bad = {}
+        try:
+            logits = dec.step(ids, live, last_only=True)
+        except NonFiniteLogitsError as e:  # the step ran; only these rows' logits are bad
+            if e.logits is None:
+                raise
+            logits = e.logits.float().cpu()
+            bad = {b: "the model produced NaN or Inf logits for this request" for b in e.rows}
         dt = time.perf_counter() - t0
         out = {b: logits[b, 0] for b in running}  # row -> (V,) logits of its next token
         for j, chunk in chunks.items():
@@ -331,26 +355,27 @@ class Engine:
             if rows[j].fed == len(rows[j].job.prompt):
                 out[j] = logits[j, 0]
         self.metrics.observe_step("prefill" if W > 1 else "decode", dt, len(running) + len(joining), B)
-        for b, lg in out.items():
-            self._advance(b, lg)
+        for b in sorted(set(out) | set(bad)):
+            try:
+                if b in bad:
+                    raise RuntimeError(bad[b])
+                self._advance(b, out[b])
+            except Exception as e:  # this request's own work failed: it alone ends, its row freed
+                job = rows[b].job
+                rows[b] = None
+                self._end(job, "error", error=str(e) if b in bad else f"{type(e).__name__}: {e}")
 
     def _advance(self, b: int, logits: torch.Tensor) -> None:
         """Samples row b's next token from its (V,) logits and tells the request."""
         r = self._rows[b]
         job = r.job
         lg = logits.float()[None]  # (1, V)
-        if r.greedy:
-            tok = int(lg.argmax(-1))
-        else:
-            # as HostDecoder.generate samples a batch-1 row, with this request's own generator
-            ids = torch.tensor([job.tokens], dtype=torch.long).view(1, -1)
-            probs = torch.softmax(r.warp(ids, lg), dim=-1)
-            tok = int(torch.multinomial(probs, 1, generator=r.gen)[0, 0])
+        # as HostDecoder.generate samples a batch-1 row, with this request's own generator
+        tok = int(r.sampler.sample(lg, r.gen)[0])
         now = time.perf_counter()
-        if not job.tokens:
-            self.metrics.observe_first_token(now - job.t_submit)
+        self.metrics.observe_token(not job.tokens, now - (job.t_last if job.tokens else job.t_submit))
+        job.t_last = now
         job.tokens.append(tok)
-        self.metrics.generation_tokens += 1
         lp = None
         if job.logprobs is not None:
             logp = torch.log_softmax(lg[0], -1)
@@ -375,7 +400,7 @@ class Engine:
         self._end(job, finish, text, [tok], lp)
 
     def _end(self, job: Job, reason: str, text: str = "", tokens=None, lp=None, error=None) -> None:
-        self.metrics.finished[reason] = self.metrics.finished.get(reason, 0) + 1
+        self.metrics.observe_finish(reason, time.perf_counter() - job.t_submit)
         try:
             job.sink(Event(text, tokens or [], lp, reason, error))
         except Exception:  # a sink whose client is gone: nothing left to tell

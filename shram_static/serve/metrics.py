@@ -1,74 +1,126 @@
-"""The server's counters and their Prometheus text exposition (`GET /metrics`).
+"""The server's metrics (`GET /metrics`), kept and written by `prometheus_client`.
 
-Counters are plain numbers written by the engine thread and read by the server thread: each
-read sees some recent value, which is all a scrape needs.
+Each engine has its own `CollectorRegistry` (one model per process; several apps in one
+process, as in tests, never share a series). Every series carries the served model's name as
+its `model` label; `prometheus_client` escapes it. Latencies are histograms, as vLLM's and
+TGI's: time to first token, inter-token latency, request latency and queue wait.
 """
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+# Bucket bounds in seconds: the built-in model's decode step takes about a millisecond on
+# CPU, the bench model's tens of milliseconds; a long request runs for minutes.
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class Metrics:
-    """Counters of one engine (one model, one process)."""
+    """The counters, gauges and histograms of one engine, in their own registry.
 
-    def __init__(self):
-        self.finished: dict[str, int] = {}  # finish_reason -> requests
-        self.rejected = 0  # 429: the queue was full
-        self.invalid = 0  # 400: bad input
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.queue_depth = 0
-        self.busy_rows = 0
-        self.steps = {"decode": 0, "prefill": 0}
-        self.step_seconds = {"decode": 0.0, "prefill": 0.0}
-        self.row_steps = 0  # sum over steps of B
-        self.busy_row_steps = 0  # sum over steps of rows holding a request
-        self.ttft_seconds = 0.0
-        self.ttft_count = 0
+    Args:
+        model: the `model` label of every series (`set_model` changes it before serving).
+    """
 
+    def __init__(self, model: str = ""):
+        self.model = model
+        r = self.registry = CollectorRegistry()
+        m = ["model"]
+        self.requests = Counter("shram_requests", "Requests finished, by finish_reason.",
+                                m + ["finish_reason"], registry=r)
+        self.rejected = Counter("shram_requests_rejected", "Requests refused with 429 (queue full).", m,
+                                registry=r)
+        self.invalid = Counter("shram_requests_invalid", "Requests refused with 400 (bad input).", m,
+                               registry=r)
+        self.http_errors = Counter("shram_http_errors", "Responses that were not a success, by status.",
+                                   m + ["status"], registry=r)
+        self.prompt_tokens = Counter("shram_prompt_tokens", "Prompt tokens prefilled.", m, registry=r)
+        self.generation_tokens = Counter("shram_generation_tokens", "Tokens generated.", m, registry=r)
+        self.queue_depth = Gauge("shram_queue_depth", "Requests waiting for a row.", m, registry=r)
+        self.busy_rows = Gauge("shram_busy_rows", "Rows serving a request.", m, registry=r)
+        self.batch_rows = Gauge("shram_batch_rows", "Rows of the decoder (batch size).", m, registry=r)
+        self.row_steps = Counter("shram_row_steps", "Rows stepped (steps x batch size).", m, registry=r)
+        self.busy_row_steps = Counter("shram_busy_row_steps", "Rows stepped while serving a request.", m,
+                                      registry=r)
+        self.step_seconds = Summary("shram_step_seconds", "Time of the fixed-shape steps, by shape.",
+                                    m + ["shape"], registry=r)
+        self.ttft = Histogram("shram_time_to_first_token_seconds", "From a request's arrival to its first token.",
+                              m, buckets=FIRST_TOKEN_BUCKETS, registry=r)
+        self.itl = Histogram("shram_inter_token_latency_seconds", "Between two tokens of one request.", m,
+                             buckets=TOKEN_BUCKETS, registry=r)
+        self.latency = Histogram("shram_request_latency_seconds", "From a request's arrival to its end.", m,
+                                 buckets=REQUEST_BUCKETS, registry=r)
+        self.queue_wait = Histogram("shram_queue_wait_seconds", "From a request's arrival to getting a row.", m,
+                                    buckets=QUEUE_BUCKETS, registry=r)
+        self.set_model(model)
+
+    def set_model(self, model: str) -> None:
+        """Names the served model (the `model` label of every series)."""
+        self.model = model
+        for metric in self._all():  # no series of another name left behind
+            metric.clear()
+        for reason in FINISH_REASONS:  # every reason shows, 0 until it happens
+            self.requests.labels(model, reason)
+        for shape in ("decode", "prefill"):
+            self.step_seconds.labels(model, shape)
+        for metric in self._all():
+            if metric not in (self.requests, self.step_seconds, self.http_errors):
+                metric.labels(model)
+
+    def _all(self) -> list:
+        return [self.requests, self.rejected, self.invalid, self.http_errors, self.prompt_tokens,
+                self.generation_tokens, self.queue_depth, self.busy_rows, self.batch_rows, self.row_steps,
+                self.busy_row_steps, self.step_seconds, self.ttft, self.itl, self.latency, self.queue_wait]
+
+    # -- recording (engine thread, server thread) ---------------------------------------
     def observe_step(self, kind: str, seconds: float, busy: int, batch_size: int) -> None:
         """Records one step of `kind` ("decode" / "prefill") with `busy` of `batch_size` rows in use."""
-        self.steps[kind] += 1
-        self.step_seconds[kind] += seconds
-        self.busy_rows = busy
-        self.row_steps += batch_size
-        self.busy_row_steps += busy
+        self.step_seconds.labels(self.model, kind).observe(seconds)
+        self.busy_rows.labels(self.model).set(busy)
+        self.row_steps.labels(self.model).inc(batch_size)
+        self.busy_row_steps.labels(self.model).inc(busy)
 
-    def observe_first_token(self, seconds: float) -> None:
-        """Records one request's time from submission to its first token."""
-        self.ttft_seconds += seconds
-        self.ttft_count += 1
+    def observe_token(self, first: bool, seconds: float) -> None:
+        """Records one generated token, `seconds` after the request's arrival (first token) or
+        after its previous token."""
+        self.generation_tokens.labels(self.model).inc()
+        (self.ttft if first else self.itl).labels(self.model).observe(seconds)
 
-    def render(self, queue_depth: int, busy_rows: int, batch_size: int, model: str) -> str:
-        """Prometheus text format (version 0.0.4)."""
-        lab = f'model="{model}"'
-        out = []
+    def observe_finish(self, reason: str, seconds: float) -> None:
+        """Records a request that ended with `reason`, `seconds` after its arrival."""
+        self.requests.labels(self.model, reason).inc()
+        self.latency.labels(self.model).observe(seconds)
 
-        def metric(name, kind, help_, samples):
-            out.append(f"# HELP shram_{name} {help_}")
-            out.append(f"# TYPE shram_{name} {kind}")
-            for labels, value in samples:
-                out.append(f"shram_{name}{{{','.join([lab, *labels])}}} {value}")
+    def observe_admit(self, prompt_tokens: int, waited: float, queue_depth: int) -> None:
+        """Records a request that got a row after `waited` seconds in the queue."""
+        self.prompt_tokens.labels(self.model).inc(prompt_tokens)
+        self.queue_wait.labels(self.model).observe(waited)
+        self.queue_depth.labels(self.model).set(queue_depth)
 
-        reasons = {r: self.finished.get(r, 0) for r in ("stop", "length", "cancelled", "error")}
-        metric("requests_total", "counter", "Requests finished, by finish_reason.",
-               [([f'finish_reason="{r}"'], n) for r, n in reasons.items()])
-        metric("requests_rejected_total", "counter", "Requests refused with 429 (queue full).",
-               [([], self.rejected)])
-        metric("requests_invalid_total", "counter", "Requests refused with 400 (bad input).",
-               [([], self.invalid)])
-        metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [([], self.prompt_tokens)])
-        metric("generation_tokens_total", "counter", "Tokens generated.", [([], self.generation_tokens)])
-        metric("queue_depth", "gauge", "Requests waiting for a row.", [([], queue_depth)])
-        metric("busy_rows", "gauge", "Rows serving a request.", [([], busy_rows)])
-        metric("batch_rows", "gauge", "Rows of the decoder (batch size).", [([], batch_size)])
-        metric("row_steps_total", "counter", "Rows stepped (steps x batch size).", [([], self.row_steps)])
-        metric("busy_row_steps_total", "counter", "Rows stepped while serving a request.",
-               [([], self.busy_row_steps)])
-        out.append("# HELP shram_step_seconds Time of the fixed-shape steps, by shape.")
-        out.append("# TYPE shram_step_seconds summary")
-        for k in ("decode", "prefill"):
-            out.append(f'shram_step_seconds_sum{{{lab},shape="{k}"}} {self.step_seconds[k]:.6f}')
-            out.append(f'shram_step_seconds_count{{{lab},shape="{k}"}} {self.steps[k]}')
-        out.append("# HELP shram_time_to_first_token_seconds From a request's arrival to its first token.")
-        out.append("# TYPE shram_time_to_first_token_seconds summary")
-        out.append(f"shram_time_to_first_token_seconds_sum{{{lab}}} {self.ttft_seconds:.6f}")
-        out.append(f"shram_time_to_first_token_seconds_count{{{lab}}} {self.ttft_count}")
-        return "\n".join(out) + "\n"
+    def observe_http_error(self, status: int) -> None:
+        """Records a response that was not a success (400s also count as invalid requests,
+        429s from a full queue as rejected ones)."""
+        self.http_errors.labels(self.model, str(status)).inc()
+        if status == 400:
+            self.invalid.labels(self.model).inc()
+
+    def observe_rejected(self) -> None:
+        self.rejected.labels(self.model).inc()
+
+    # -- reading ------------------------------------------------------------------------
+    def value(self, name: str, **labels) -> float:
+        """The current value of one sample, e.g. `value("shram_generation_tokens_total")` (0 if
+        it does not exist yet)."""
+        v = self.registry.get_sample_value(name, {"model": self.model, **labels})
+        return 0.0 if v is None else v
+
+    def render(self, queue_depth: int, busy_rows: int, batch_size: int) -> bytes:
+        """The Prometheus text exposition (`CONTENT_TYPE`), with the gauges set to the given values."""
+        self.queue_depth.labels(self.model).set(queue_depth)
+        self.busy_rows.labels(self.model).set(busy_rows)
+        self.batch_rows.labels(self.model).set(batch_size)
+        return generate_latest(self.registry)

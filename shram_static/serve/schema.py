@@ -4,7 +4,9 @@ Types are strict (a string is not a number, 1 is not a bool), unknown fields are
 OpenAI-compatible servers do, and every error names the request field it is about.
 """
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 
 class APIError(Exception):
@@ -53,6 +55,19 @@ def validation_error(errors: list[dict]) -> APIError:
     return APIError(400, f"'{where}': {e['msg']}", param)
 
 
+def _unicode(s: str) -> str:
+    """WHY: JSON can hold a lone surrogate ("\\ud800"), which Python keeps in a str but which no
+    tokenizer or UTF-8 response can encode."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("is not valid Unicode text (it holds a lone surrogate)") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_unicode)]  # a str that is valid Unicode
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -64,13 +79,13 @@ class StreamOptions(_Strict):
 class _Sampling(_Strict):
     """Fields shared by completions and chat completions (None: the server's default)."""
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
     seed: int | None = Field(None, ge=-2**63, lt=2**64)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=1)
@@ -83,15 +98,15 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     """`POST /v1/completions`: one prompt, as text or token ids."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool | None = None
     logprobs: int | None = Field(None, ge=0, le=5)
 
 
 class ChatMessage(_Strict):
     model_config = ConfigDict(strict=True, extra="allow")
-    role: str
-    content: str | list[dict] | None = None
+    role: Text
+    content: Text | list[dict] | None = None
 
 
 class ChatCompletionRequest(_Sampling):

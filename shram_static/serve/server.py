@@ -3,7 +3,10 @@ thread of this process (tests, `bench-serve`).
 
 Shutdown (SIGINT / SIGTERM, or `should_exit`): the server stops accepting connections, cancels
 queued requests, lets running rows finish for up to `shutdown_timeout` seconds, then ends the
-remaining streams with `finish_reason: "cancelled"` and `data: [DONE]`.
+remaining streams with `finish_reason: "cancelled"` and `data: [DONE]`. The server also shuts
+down by itself once its engine has failed (the model did not load, or its step failed for all
+rows), with `failed` set to the error, so that the process exits non-zero and a supervisor
+restarts it instead of a server answering 503 for ever.
 """
 
 import asyncio
@@ -23,16 +26,26 @@ def import_server():
 
 def make_server(app, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 10.0,
                 log_level: str = "info"):
-    """A `uvicorn.Server` for `app` whose shutdown first drains the app's engine (see the module
+    """A `uvicorn.Server` for `app` whose shutdown first drains the app's engine, and which
+    shuts down once the engine failed, setting `.failed` to its error (see the module
     docstring). Run it with `.run()` (main thread: handles signals) or `await .serve()`."""
     uvicorn = import_server()
+    engine = app.state.engine
 
     class DrainingServer(uvicorn.Server):
+        failed: str | None = None
+
+        async def on_tick(self, counter: int) -> bool:
+            if engine.status == "failed" and self.failed is None:
+                self.failed = engine.error or "the engine failed"
+                self.should_exit = True
+            return await super().on_tick(counter)
+
         async def shutdown(self, sockets=None):
             for server in self.servers:  # no new connections while the rows drain
                 server.close()
             if not self.force_exit:
-                await asyncio.to_thread(app.state.engine.drain, shutdown_timeout)
+                await asyncio.to_thread(engine.drain, shutdown_timeout)
             await super().shutdown(sockets)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,

@@ -1,0 +1,112 @@
+"""ASGI middleware around the app: every response that is not a success is an OpenAI error
+object, and is counted.
+
+- `Guard` (outermost): refuses a body over the size limit (413, before it is read whole) and a
+  POST body that is not JSON (415), answers an unhandled exception with a 500 error object
+  (logged with its traceback), and counts every response with a status >= 400 by status;
+- `BearerAuth`: /v1/* requests need `Authorization: Bearer <api_key>` (else 401).
+"""
+
+import logging
+import secrets
+
+from fastapi.responses import JSONResponse
+
+from .limits import MAX_BODY_BYTES
+from .schema import APIError
+
+log = logging.getLogger("shram_static.serve")
+
+
+class Guard:
+    """ASGI middleware: body limit, JSON content type, errors as OpenAI objects, error counts.
+
+    Args:
+        app: the ASGI app.
+        metrics: the engine's `Metrics` (`observe_http_error`).
+        max_body_bytes: the largest request body accepted (a larger one gets 413).
+    """
+
+    def __init__(self, app, metrics, max_body_bytes: int = MAX_BODY_BYTES):
+        self.app, self.metrics, self.max_body_bytes = app, metrics, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def counted_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if message["status"] >= 400:
+                    self.metrics.observe_http_error(message["status"])
+            await send(message)
+
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            await self._error(scope, receive, counted_send, self._too_large())
+            return
+        ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if scope["method"] == "POST" and ctype and ctype != b"application/json" and not ctype.endswith(b"+json"):
+            await self._error(scope, receive, counted_send, APIError(
+                415, f"the request body must be JSON (Content-Type: application/json), got "
+                     f"{ctype.decode('latin-1')!r}", type_="invalid_request_error", code="unsupported_media_type"))
+            return
+        # The body is read here, whole, up to the limit (a chunked body has no Content-Length),
+        # then handed to the app as one message; later messages (a disconnect) pass through.
+        body, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # gone before sending its body
+                return
+            body.append(message.get("body", b""))
+            more = message.get("more_body", False)
+            if sum(map(len, body)) > self.max_body_bytes:
+                await self._error(scope, receive, counted_send, self._too_large())
+                return
+        first = {"type": "http.request", "body": b"".join(body), "more_body": False}
+
+        async def replay():
+            nonlocal first
+            if first is None:
+                return await receive()
+            message, first = first, None
+            return message
+
+        try:
+            await self.app(scope, replay, counted_send)
+        except Exception as e:  # a bug: the client still gets an error object, the log a traceback
+            log.exception("unhandled error serving %s %s", scope["method"], scope["path"])
+            if not started:
+                await self._error(scope, receive, counted_send, APIError(
+                    500, f"internal server error: {type(e).__name__}", type_="server_error"))
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body is larger than {self.max_body_bytes} bytes (--max-body-bytes)",
+                        code="request_too_large")
+
+    @staticmethod
+    async def _error(scope, receive, send, e: APIError) -> None:
+        await JSONResponse(e.body(), e.status, headers=e.headers)(scope, receive, send)
+
+
+class BearerAuth:
+    """ASGI middleware: /v1/* requests need `Authorization: Bearer <api_key>` (else 401)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.key = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(got, self.key):
+                e = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                             type_="invalid_request_error", code="invalid_api_key",
+                             headers={"WWW-Authenticate": "Bearer"})
+                await JSONResponse(e.body(), 401, headers=e.headers)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
