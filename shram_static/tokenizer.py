@@ -31,8 +31,18 @@ def bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
+# A model for the byte tokenizer may pad its vocabulary (embedding rows) up to the next
+# multiple of this many ids, as models commonly do; the padding ids are never trained.
+BYTE_VOCAB_PADDING = 128
+
+
 class ByteTokenizer:
     """UTF-8 bytes as tokens: ids 0-255 are the bytes, then BOS, EOS and PAD.
+
+    Args:
+        model_vocab: the model's vocabulary, when padded beyond 259 ids (at most to the next
+            multiple of `BYTE_VOCAB_PADDING`): its padding ids decode to nothing, as an HF
+            tokenizer decodes ids it does not know.
 
     Attributes:
         bos_token_id, eos_token_id, pad_token_id: 256, 257, 258.
@@ -43,6 +53,9 @@ class ByteTokenizer:
     eos_token_id = 257
     pad_token_id = 258
     vocab_size = 259
+
+    def __init__(self, model_vocab: int | None = None):
+        self.model_vocab = max(model_vocab or 0, self.vocab_size)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Returns the UTF-8 bytes of `text` as ids, after BOS when `add_bos`."""
@@ -58,8 +71,8 @@ class ByteTokenizer:
         out = bytearray()
         for i in ids:
             i = int(i)
-            if not 0 <= i < self.vocab_size:
-                raise ValueError(f"token id {i} is outside the byte tokenizer's vocabulary [0, {self.vocab_size})")
+            if not 0 <= i < self.model_vocab:
+                raise ValueError(f"token id {i} is outside the byte tokenizer's vocabulary [0, {self.model_vocab})")
             if i < 256:
                 out.append(i)
         return out.decode("utf-8", errors="replace")
@@ -235,7 +248,8 @@ def load_tokenizer(directory=None, config=None):
     Args:
         directory: a checkpoint directory, or None.
         config: the model's config (anything with `vocab_size`), to check that the byte
-            tokenizer fits it: the model's vocabulary must be the byte tokenizer's 259 ids.
+            tokenizer covers it: 259 ids, padded to at most the next multiple of
+            `BYTE_VOCAB_PADDING` (384).
 
     Raises:
         ValueError: `tokenizer.json` cannot be read, or the byte tokenizer (no `tokenizer.json`)
@@ -243,15 +257,16 @@ def load_tokenizer(directory=None, config=None):
     """
     if directory is not None and os.path.isfile(os.path.join(os.fspath(directory), TOKENIZER_FILE)):
         return HFTokenizer(directory)
-    tok = ByteTokenizer()
     V = getattr(config, "vocab_size", None)
-    if V is not None and V != tok.vocab_size:
+    most = -(-ByteTokenizer.vocab_size // BYTE_VOCAB_PADDING) * BYTE_VOCAB_PADDING  # 384
+    if V is not None and not ByteTokenizer.vocab_size <= V <= most:
         where = f"{os.fspath(directory)!r} has no {TOKENIZER_FILE}" if directory is not None else "no tokenizer given"
-        why = ("it would emit ids the byte tokenizer cannot decode" if V > tok.vocab_size
+        why = ("it would emit ids the byte tokenizer cannot decode" if V > most
                else "the byte tokenizer's ids would not fit it")
         raise ValueError(
-            f"the model's vocab_size {V} is not the built-in byte tokenizer's {tok.vocab_size} ids "
-            f"({why}) and {where}: copy the model's {TOKENIZER_FILE} (and "
-            f"{TOKENIZER_CONFIG_FILE}) into the checkpoint directory"
-            + (", or serve it by token ids with `shram-static serve --token-ids-only`" if V > tok.vocab_size else ""))
-    return tok
+            f"the model's vocab_size {V} does not fit the built-in byte tokenizer's "
+            f"{ByteTokenizer.vocab_size} ids (a model for it has {ByteTokenizer.vocab_size} to {most}; {why}) "
+            f"and {where}: copy the model's {TOKENIZER_FILE} (and {TOKENIZER_CONFIG_FILE}) into the "
+            f"checkpoint directory"
+            + (", or serve it by token ids with `shram-static serve --token-ids-only`" if V > most else ""))
+    return ByteTokenizer(V)
