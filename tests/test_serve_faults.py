@@ -76,9 +76,10 @@ def solo(model):
     return run
 
 
-def _stream(url, prompt, n):
-    """(text, error object or None, saw [DONE]) of one streamed greedy completion."""
-    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
+def _stream(url, prompt, n, **kw):
+    """(text, error object or None, saw [DONE]) of one streamed completion (greedy unless `kw`
+    says otherwise)."""
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True, **kw}
     text, err, done = [], None, False
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=LIMIT_S) as r:
         assert r.status_code == 200
@@ -270,3 +271,16 @@ def test_token_ids_only_serving(model):
         for body, param in (({"prompt": "ROMEO:"}, "prompt"), ({"prompt": ids, "stop": "x"}, "stop")):
             st, err = _send(url, "POST", "/v1/completions", json.dumps(body).encode())
             assert st == 400 and err["error"]["param"] == param and "token" in err["error"]["message"]
+
+
+def test_tiny_temperatures_serve_greedy_text(server, solo):
+    """Any temperature the schema accepts works: a tiny one gives greedy's text, streamed or not
+    (dividing float32 logits by 1e-300 overflowed, and the NaN stopped the engine)."""
+    url, _ = server
+    want = solo("ROMEO:", 10)
+    for T in (5e-324, 1e-300, 1e-38, 1e-6):
+        body = {"prompt": "ROMEO:", "max_tokens": 10, "temperature": T, "top_p": 0.5}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=LIMIT_S)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, T
+        assert _stream(url, "ROMEO:", 10, temperature=T)[:2] == (want, None)
+    assert httpx.get(f"{url}/health").status_code == 200
