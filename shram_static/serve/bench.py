@@ -83,11 +83,15 @@ async def _one(client, url: str, prompt: list[int], n: int) -> dict:
 
 
 async def _metrics(client, url: str) -> dict:
+    """{sample: value} of the server's /metrics, each sample named without its model label
+    (e.g. 'shram_step_seconds_sum{shape="decode"}')."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out = {}
-    for line in (await client.get(f"{url}/metrics")).text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[re.sub(r'model="[^"]*",?', "", key).replace("{}", "")] = float(value)
+    for family in text_string_to_metric_families((await client.get(f"{url}/metrics")).text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model")
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
 
 
