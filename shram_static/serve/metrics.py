@@ -70,6 +70,11 @@ class Metrics:
         for metric in self._all():
             if metric not in (self.requests, self.step_seconds, self.http_errors):
                 metric.labels(model)
+        # the children written after every step and token, looked up once
+        self._tokens, self._ttft, self._itl = (m.labels(model) for m in (self.generation_tokens, self.ttft, self.itl))
+        self._steps = {k: self.step_seconds.labels(model, k) for k in ("decode", "prefill")}
+        self._busy, self._rows, self._busy_rows = (m.labels(model) for m in (self.busy_rows, self.row_steps,
+                                                                            self.busy_row_steps))
 
     def _all(self) -> list:
         return [self.requests, self.rejected, self.invalid, self.http_errors, self.prompt_tokens,
@@ -79,16 +84,16 @@ class Metrics:
     # -- recording (engine thread, server thread) ---------------------------------------
     def observe_step(self, kind: str, seconds: float, busy: int, batch_size: int) -> None:
         """Records one step of `kind` ("decode" / "prefill") with `busy` of `batch_size` rows in use."""
-        self.step_seconds.labels(self.model, kind).observe(seconds)
-        self.busy_rows.labels(self.model).set(busy)
-        self.row_steps.labels(self.model).inc(batch_size)
-        self.busy_row_steps.labels(self.model).inc(busy)
+        self._steps[kind].observe(seconds)
+        self._busy.set(busy)
+        self._rows.inc(batch_size)
+        self._busy_rows.inc(busy)
 
     def observe_token(self, first: bool, seconds: float) -> None:
         """Records one generated token, `seconds` after the request's arrival (first token) or
         after its previous token."""
-        self.generation_tokens.labels(self.model).inc()
-        (self.ttft if first else self.itl).labels(self.model).observe(seconds)
+        self._tokens.inc()
+        (self._ttft if first else self._itl).observe(seconds)
 
     def observe_finish(self, reason: str, seconds: float) -> None:
         """Records a request that ended with `reason`, `seconds` after its arrival."""
