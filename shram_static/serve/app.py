@@ -135,7 +135,7 @@ def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, b
             msg = (f"method {request.method} is not allowed on {request.url.path}"
                    + (f" (allowed: {e.headers['allow']})" if e.headers and "allow" in e.headers else ""))
         elif e.status_code == 400:
-            msg = f"the request body could not be read as JSON: {e.detail}"
+            msg = "the request body could not be read as JSON (it must be UTF-8, nested at most ~1000 levels deep)"
         else:
             msg = str(e.detail)
         return await _api_error(request, APIError(e.status_code, msg, headers=dict(e.headers or {})))
