@@ -5,7 +5,6 @@ on every route is an OpenAI error object and is counted; /metrics parses with pr
 
 import concurrent.futures
 import json
-import threading
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from shram_static import StaticDecoder  # noqa: E402
 from shram_static.cli import main  # noqa: E402
 from shram_static.default_model import default_model  # noqa: E402
-from shram_static.serve.app import BUILTIN_NAME, create_app  # noqa: E402
+from shram_static.serve.app import create_app  # noqa: E402
 from shram_static.serve.engine import Engine  # noqa: E402
 from shram_static.serve.server import ServerThread  # noqa: E402
 from shram_static.tokenizer import ByteTokenizer, TokenIdsOnly, load_tokenizer  # noqa: E402

@@ -24,9 +24,8 @@ same tokens whatever else runs.
 Faults are isolated: an error in one request's own work (its sampling, detokenizing, stop
 checks, a non-finite logit in its row) ends that request alone with finish_reason "error",
 frees its row and is counted; the other rows go on. An error of the step itself leaves the
-shared state unusable: every queued and running request ends with an error, the engine's
-status becomes "failed" and `on_fatal` is called (the server then exits non-zero, so a
-supervisor restarts it).
+shared state unusable: every queued and running request ends with an error and the engine's
+status becomes "failed" (the server then exits non-zero, so a supervisor restarts it).
 """
 
 import collections
@@ -131,17 +130,14 @@ class Engine:
             reporting ready, so a compiled decoder compiles before the first request.
         long_prompt: prompt tokens left from which a joining row is prefilled in
             prefill-shape steps while other rows decode (default: 4 x prefill_chunk).
-        on_fatal: called (from the engine thread, with the error's text) once the model
-            failed to load or its step failed for all rows; the server exits then.
     """
 
     def __init__(self, load: Callable, max_queue: int = 64, warmup: bool = True,
-                 long_prompt: int | None = None, on_fatal: Callable[[str], None] | None = None):
+                 long_prompt: int | None = None):
         self._load = load
         self.max_queue = max_queue
         self._long_prompt = long_prompt
         self.warmup = warmup
-        self.on_fatal = on_fatal
         self.status = "loading"  # -> "compiling" -> "ready" (or "failed"), then "stopped"
         self.error: str | None = None
         self.decoder = None
@@ -265,13 +261,11 @@ class Engine:
         self.status = "stopped"
 
     def _fail(self, error: str) -> None:
-        """The engine cannot serve any more: every request ends with `error`, then `on_fatal`."""
+        """The engine cannot serve any more: every request ends with `error`."""
         with self._cv:
             self.status, self.error = "failed", error
         self._ready.set()
         self._finish_all("error", error)
-        if self.on_fatal is not None:
-            self.on_fatal(error)
 
     def _finish_all(self, reason: str, error: str | None = None) -> None:
         with self._cv:
@@ -356,14 +350,15 @@ class Engine:
                 out[j] = logits[j, 0]
         self.metrics.observe_step("prefill" if W > 1 else "decode", dt, len(running) + len(joining), B)
         for b in sorted(set(out) | set(bad)):
+            r = rows[b]
             try:
                 if b in bad:
                     raise RuntimeError(bad[b])
                 self._advance(b, out[b])
             except Exception as e:  # this request's own work failed: it alone ends, its row freed
-                job = rows[b].job
-                rows[b] = None
-                self._end(job, "error", error=str(e) if b in bad else f"{type(e).__name__}: {e}")
+                if rows[b] is r:
+                    rows[b] = None
+                    self._end(r.job, "error", error=str(e) if b in bad else f"{type(e).__name__}: {e}")
 
     def _advance(self, b: int, logits: torch.Tensor) -> None:
         """Samples row b's next token from its (V,) logits and tells the request."""
