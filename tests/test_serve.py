@@ -274,7 +274,9 @@ def test_loading_auth_queue_chat_and_shutdown(model, solo, tmp_path):
     long_req = {"prompt": "ROMEO:", "max_tokens": 900, "temperature": 0, "stream": True}
     srv = ServerThread(create_app(engine, api_key="sekrit"), shutdown_timeout=0.3)
     with srv as url:
-        assert httpx.get(f"{url}/health").status_code == 503
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and health.json()["status"] == "loading"
+        assert set(health.json()["error"]) == {"message", "type", "param", "code"}
         status, err = _bad(url, P, headers=auth)
         assert status == 503 and "loading" in err["error"]["message"]
         release.set()

@@ -142,11 +142,13 @@ def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, b
 
     @app.get("/health")
     async def health():
-        """200 when the model is ready, 503 while it loads or compiles (or if it failed)."""
-        body = {"status": engine.status}
-        if engine.error:
-            body["error"] = engine.error
-        return JSONResponse(body, status_code=200 if engine.ready else 503)
+        """200 when the model is ready; 503 (an OpenAI error object, plus the status) while it
+        loads or compiles, or once it failed (the server then exits)."""
+        if engine.ready:
+            return {"status": engine.status}
+        e = APIError(503, engine.error or f"the model is {engine.status}", type_="service_unavailable",
+                     headers={"Retry-After": "1"})
+        return JSONResponse({**e.body(), "status": engine.status}, status_code=503, headers=e.headers)
 
     @app.get("/metrics")
     async def metrics():
