@@ -18,9 +18,11 @@ def import_server():
     """uvicorn, or an ImportError that says how to install the `serve` extra."""
     try:
         import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
         import uvicorn
     except ImportError as e:
-        raise ImportError(f"serving needs FastAPI and uvicorn ({e}): pip install 'shram_static[serve]'") from e
+        raise ImportError(f"serving needs FastAPI, uvicorn and prometheus_client ({e}): "
+                          f"pip install 'shram_static[serve]'") from e
     return uvicorn
 
 
