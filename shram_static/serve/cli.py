@@ -19,10 +19,10 @@ from .limits import MAX_BODY_BYTES, MAX_STOP, MAX_STOP_CHARS
 def serve(args) -> int:
     """The `serve` subcommand."""
     from ..console import info
-    from .app import create_app
     from .server import import_server, make_server
 
-    import_server()
+    import_server()  # a missing extra is named before the app's imports fail on it
+    from .app import create_app
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         info(f"listening on {args.host}: reachable from other machines"
              + ("" if args.api_key else " (no --api-key set)"))
