@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from helpers import compiled_test_model, random_ids, tiny_model
@@ -25,30 +25,35 @@ temperature_st = st.floats(min_value=5e-324, max_value=1e300, allow_nan=False, a
 
 
 def allowed(x: list[float], top_k, top_p, temperature) -> set[int]:
-    """Oracle: the tokens the filters keep, in exact arithmetic on Python floats (a superset when
-    top_p's cut falls between equal probabilities)."""
-    order = sorted(range(len(x)), key=lambda i: -x[i])
+    """Oracle: the tokens the filters keep, ranked by the scaled logits (x - max) / T in Python
+    floats (float64: values that round to the same scaled logit are ties); a superset when a
+    cut falls between equal values."""
+    m = max(x)
+    z = [(v - m) / temperature for v in x]
+    order = sorted(range(len(x)), key=lambda i: -z[i])
     keep = set(order)
     if top_k is not None:
-        kth = x[order[min(top_k, len(x)) - 1]]
-        keep = {i for i in keep if x[i] >= kth}
+        kth = z[order[min(top_k, len(x)) - 1]]
+        keep = {i for i in keep if z[i] >= kth}
     if top_p is not None and top_p < 1:
-        m = max(x)
-        w = {i: math.exp(max((x[i] - m) / temperature, -745.0)) for i in keep}
+        w = {i: math.exp(max(z[i], -745.0)) for i in keep}
         total = sum(w.values())
         mass, nucleus = 0.0, set()
-        for i in sorted(keep, key=lambda i: -x[i]):
+        for i in sorted(keep, key=lambda i: -z[i]):
             nucleus.add(i)
             mass += w[i] / total
             if mass >= top_p * (1 - 1e-9):
                 break
-        lowest = min(x[i] for i in nucleus)
-        keep = {i for i in keep if x[i] >= lowest}  # ties with the nucleus' last token stay
+        lowest = min(z[i] for i in nucleus)
+        keep = {i for i in keep if z[i] >= lowest}  # ties with the nucleus' last token stay
     return keep
 
 
 @FUZZ
 @given(logits_st, temperature_st, top_k_st, top_p_st, st.integers(0, 2**32 - 1))
+# logits that differ by less than float64's resolution once scaled: ties for top-p
+@example([0.0] * 7 + [3.0, 3.0, 2.301855724784845e16, 3.410168814292173e16, 1.0, 0.0, 0.0], 1.5718266426274672e17,
+         None, 0.375, 1)
 def test_sample_is_a_valid_token(x, temperature, top_k, top_p, seed):
     s = Sampler(temperature, top_k, top_p)
     lg = torch.tensor(x, dtype=torch.float32)
