@@ -14,7 +14,7 @@ import math
 import torch
 from transformers.generation.logits_process import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
-__all__ = ["Sampler"]
+__all__ = ["Sampler", "draw"]
 
 
 class Sampler:
@@ -83,5 +83,10 @@ class Sampler:
         """
         if self.greedy:
             return logits.argmax(-1)
-        p = self.probs(logits)
-        return torch.multinomial(p.reshape(-1, p.shape[-1]), 1, generator=generator).reshape(p.shape[:-1])
+        return draw(self.probs(logits), generator)
+
+
+def draw(p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of probabilities p, (V,) or (N, V) (any non-negative weights with a
+    positive sum): int64, () or (N,)."""
+    return torch.multinomial(p.reshape(-1, p.shape[-1]), 1, generator=generator).reshape(p.shape[:-1])

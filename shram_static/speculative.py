@@ -24,6 +24,8 @@ import contextlib
 
 import torch
 
+from .sampling import draw
+
 # What a verify step of up to 5 tokens costs, in decode steps, for the gate that decides whether
 # prompt-lookup guesses are worth verifying: a round must keep VERIFY_COST - 1 guesses on
 # average to beat plain decoding. A constant, not a timing, so that seeded sampling stays
@@ -84,7 +86,7 @@ def _pick(logits: torch.Tensor, warp, sample: bool, gen) -> tuple[torch.Tensor, 
     if not sample:
         return logits.argmax(-1), None
     p = warp.probs(logits)
-    return torch.multinomial(p, 1, generator=gen)[0], p
+    return draw(p, gen), p
 
 
 def _accept(logits: torch.Tensor, drafts: list[int], q: list | None, warp, sample: bool, gen) -> list[int]:
@@ -112,7 +114,7 @@ def _accept(logits: torch.Tensor, drafts: list[int], q: list | None, warp, sampl
             continue
         resid = (p - qd).clamp(min=0)
         resid = resid / resid.sum() if float(resid.sum()) > 0 else p
-        return out + [int(torch.multinomial(resid, 1, generator=gen)[0])]
+        return out + [int(draw(resid, gen))]
     t, _ = _pick(logits[len(drafts)], warp, sample, gen)
     return out + [int(t)]
 
