@@ -5,6 +5,9 @@
 //     JOBS: [{prompt, options}] run through window.shram.generate -> results (or {error})
 //     UI: {prompt, maxNewTokens, temperature, topK, topP, seed}: typed into the page's form,
 //         Generate clicked, the streamed text read back (and shot into PNG)
+//   node web/browser.mjs --stdin
+//     each stdin line {url, prompt, options} runs in that URL's page (opened once, then kept);
+//     each result is one stdout line (benchmarks/web_speed.py interleaves runs this way)
 //
 // CHROMIUM (default /usr/bin/chromium) names the browser binary.
 import { readFileSync } from "node:fs";
@@ -12,7 +15,8 @@ import { parseArgs } from "node:util";
 import { chromium } from "playwright-core";
 
 const { values: o, positionals: [url, jobsPath] } = parseArgs({
-  allowPositionals: true, options: { screenshot: { type: "string" }, ui: { type: "string" } },
+  allowPositionals: true,
+  options: { screenshot: { type: "string" }, ui: { type: "string" }, stdin: { type: "boolean" } },
 });
 const jobs = jobsPath ? JSON.parse(readFileSync(jobsPath, "utf8")) : [];
 const browser = await chromium.launch({
@@ -23,29 +27,55 @@ const browser = await chromium.launch({
     "--disable-component-update", "--disable-default-apps", "--disable-extensions", "--disable-sync",
     "--no-first-run", "--metrics-recording-only", "--disable-breakpad"],
 });
-const result = { jobs: [], logs: [] };
-try {
+async function runJob(page, { prompt, options }) {
+  return page.evaluate(async ({ prompt, options }) => {
+    try {
+      let streamed = "";
+      const r = await window.shram.generate(prompt, { ...options, onToken: ({ text }) => { streamed += text; } });
+      return { ...r, streamed };
+    } catch (e) {
+      return { error: String(e?.message ?? e) };
+    }
+  }, { prompt, options });
+}
+
+async function openPage(url, logs) {
   const page = await browser.newPage({ viewport: { width: 1000, height: 760 } });
-  page.on("console", (m) => result.logs.push(`${m.type()}: ${m.text()}`));
-  page.on("pageerror", (e) => result.logs.push(`pageerror: ${e.message}`));
+  page.on("console", (m) => logs.push(`${m.type()}: ${m.text()}`));
+  page.on("pageerror", (e) => logs.push(`pageerror: ${e.message}`));
   await page.goto(url);
-  result.info = await page.evaluate(async () => {
+  const info = await page.evaluate(async () => {
     const m = await window.shram.ready;
     return { crossOriginIsolated: globalThis.crossOriginIsolated, userAgent: navigator.userAgent,
-             threads: globalThis.ort?.env?.wasm?.numThreads ?? null, manifest: m.manifest };
+             threads: m.threads, manifest: m.manifest };
   });
-  result.info.browser = browser.version();
-  for (const job of jobs) {
-    result.jobs.push(await page.evaluate(async ({ prompt, options }) => {
-      try {
-        let streamed = "";
-        const r = await window.shram.generate(prompt, { ...options, onToken: ({ text }) => { streamed += text; } });
-        return { ...r, streamed };
-      } catch (e) {
-        return { error: String(e?.message ?? e) };
-      }
-    }, job));
+  return { page, info: { ...info, browser: browser.version() } };
+}
+
+if (o.stdin) {
+  const { createInterface } = await import("node:readline");
+  const pages = new Map();
+  try {
+    for await (const line of createInterface({ input: process.stdin })) {
+      if (!line.trim()) continue;
+      const job = JSON.parse(line);
+      const logs = [];
+      if (!pages.has(job.url)) pages.set(job.url, await openPage(job.url, logs));
+      const { page, info } = pages.get(job.url);
+      process.stdout.write(JSON.stringify({ ...(await runJob(page, job)), info, logs }) + "\n");
+    }
+  } finally {
+    await browser.close();
   }
+  process.exit(0);
+}
+
+const result = { jobs: [], logs: [] };
+try {
+  const opened = await openPage(url, result.logs);
+  const page = opened.page;
+  result.info = opened.info;
+  for (const job of jobs) result.jobs.push(await runJob(page, job));
   if (o.ui) {
     const ui = JSON.parse(readFileSync(o.ui, "utf8"));
     await page.fill("#prompt", ui.prompt);

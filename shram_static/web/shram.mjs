@@ -320,6 +320,7 @@ export class ShramModel {
       ? JSON.parse(new TextDecoder().decode(await readBytes(base, tinfo.file))) : null;
     const tokenizer = new Tokenizer({ ...tinfo, vocab_size: manifest.vocab_size }, spec);
     const web = !!ort.env?.versions?.web;
+    let used = threads ?? null;
     const opts = { graphOptimizationLevel: "all", ...sessionOptions };
     const files = manifest.files;
     let model;
@@ -328,6 +329,7 @@ export class ShramModel {
       // for both graphs
       if (threads) ort.env.wasm.numThreads = threads;
       else if (!globalThis.crossOriginIsolated) ort.env.wasm.numThreads = 1;  // threads need isolation
+      used = ort.env.wasm.numThreads;
       const data = await readBytes(base, files.data);
       const graph = async (f) => ort.InferenceSession.create(await readBytes(base, f), {
         executionProviders: ["wasm"], externalData: [{ path: files.data, data }], ...opts });
@@ -340,6 +342,7 @@ export class ShramModel {
       model = new ShramModel(ort, manifest, tokenizer, await graph(files.decode),
         files.prefill ? await graph(files.prefill) : null);
     }
+    model.threads = used;
     return model;
   }
 
@@ -395,10 +398,13 @@ export class ShramModel {
    * @param {function} [opts.onToken] called with {id, text, index} as each token is produced
    *   (`text`: what the token completes; a multi-byte character arrives with its last byte).
    * @param {AbortSignal} [opts.signal] stops generating when aborted (the tokens so far are returned).
+   * @param {number|null} [opts.eosTokenId] the token that ends generation (default: the
+   *   tokenizer's end-of-sequence token; null: none, always `maxNewTokens` tokens).
    * @returns {Promise<{ids: number[], text: string, promptTokens: number, ttftMs: number,
    *   decodeTokensPerSecond: number, stopped: string}>} `stopped`: "eos", "length" or "abort".
    */
-  async generate(prompt, { maxNewTokens = 64, temperature = 0, topK = 0, topP = 1, seed, onToken, signal } = {}) {
+  async generate(prompt, { maxNewTokens = 64, temperature = 0, topK = 0, topP = 1, seed, onToken, signal,
+                           eosTokenId = this.manifest.eos_token_id } = {}) {
     const t0 = performance.now();
     const ids = this.#promptIds(prompt);
     if (!Number.isInteger(maxNewTokens) || maxNewTokens < 1) {
@@ -425,7 +431,7 @@ export class ShramModel {
       for (let i = 0; i < ids.length; i += C) {
         logits = await this.#step(session, C, ids.slice(i, i + C), i, state);
       }
-      const out = [], dec = this.tokenizer.decoder(), eos = this.manifest.eos_token_id;
+      const out = [], dec = this.tokenizer.decoder(), eos = eosTokenId;
       let text = "", ttft = 0, tDecode = 0, stopped = "length", yielded = performance.now();
       for (let t = 0; t < maxNewTokens; t++) {
         const id = pick(logits);
