@@ -129,13 +129,19 @@ def test_node_bad_inputs(site, tmp_path):
     assert len(ok["ids"]) == 24  # 1001 + 24 - 1 tokens fit exactly
 
 
-def test_tokenizer_json_bpe_matches_hf(tmp_path):
+@pytest.mark.parametrize("pre", ["byte_level", "prefix_space", "split_then_byte_level"])
+def test_tokenizer_json_bpe_matches_hf(tmp_path, pre):
     """The module's byte-level BPE against `tokenizers` (through HFTokenizer) on a tokenizer
     trained here, with merges, an added special token and multi-byte text."""
     need(shutil.which("node") is not None, "node is not installed")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if pre == "split_then_byte_level":  # a split by a regex of its own first (Llama-3 style)
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(r"\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+|\s+"), "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=pre == "prefix_space")
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|begin_of_text|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())

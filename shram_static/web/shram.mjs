@@ -131,8 +131,8 @@ export class Tokenizer {
       if (s.type === "ByteLevel") {
         byteLevel = true;
         const prefix = !!s.add_prefix_space, re = s.use_regex !== false;
-        fns.push((pieces) => pieces.flatMap((w, i) => {
-          const x = prefix && i === 0 && !/^\s/.test(w) ? " " + w : w;
+        fns.push((pieces) => pieces.flatMap((w) => {
+          const x = prefix && !w.startsWith(" ") ? " " + w : w;  // each piece, as tokenizers does
           return re ? (x.match(GPT2_SPLIT) ?? []) : [x];
         }));
       } else if (s.type === "Split" && s.pattern?.Regex && s.behavior === "Isolated" && !s.invert) {
