@@ -72,6 +72,26 @@ def site_for(name: str, out: Path, prefill_chunk: int) -> Path:
     return site
 
 
+class NodeWorker:
+    """benchmarks/web_node_worker.mjs: the site's module under Node, one job per line."""
+
+    def __init__(self, runtime: str, site: Path):
+        self.p = subprocess.Popen(["node", str(ROOT / "benchmarks" / "web_node_worker.mjs"), runtime, str(site)],
+                                  cwd=ROOT, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def run(self, ids: list, n: int) -> dict:
+        self.p.stdin.write(json.dumps({"prompt": ids, "options": {"maxNewTokens": n, "eosTokenId": None}}) + "\n")
+        self.p.stdin.flush()
+        r = json.loads(self.p.stdout.readline() or '{"error": "the worker ended early"}')
+        if "error" in r:
+            raise RuntimeError(f"node worker: {r['error']}")
+        return r
+
+    def close(self):
+        self.p.stdin.close()
+        self.p.wait(timeout=60)
+
+
 class Browser:
     """web/browser.mjs --stdin: one Chromium, one page per URL, one job per line."""
 
@@ -113,6 +133,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2, help="WASM threads of the isolated page (0: skip it)")
     p.add_argument("--warmup-s", type=float, default=15.0, help="seconds each page generates before the rounds")
+    p.add_argument("--node", action=argparse.BooleanOptionalAction, default=True,
+                   help="also the module under Node (onnxruntime-web WASM and onnxruntime-node)")
     p.add_argument("--prefill-chunk", type=int, default=32)
     p.add_argument("--out", default=str(ROOT / "out" / "web_speed"), help="where the sites are kept")
     args = p.parse_args(argv)
@@ -133,21 +155,25 @@ def main(argv=None) -> int:
             if args.threads:
                 urls[f"web-{args.threads}t"] = (f"http://127.0.0.1:{isolated.server_address[1]}/{rel}/index.html"
                                                 f"?threads={args.threads}")
+            workers = ({"node-wasm-1t": NodeWorker("web", sites[m]), "node-native-1t": NodeWorker("node", sites[m])}
+                       if args.node else {})
+            runners = {k: functools.partial(browser.run, u) for k, u in urls.items()}
+            runners.update({k: w.run for k, w in workers.items()})
             dec = load_onnx(str(sites[m] / "model.onnx"), threads=1)
             ids = torch.tensor([prompt])
             python_rate(dec, ids, 16)  # warm-up
-            first = {k: browser.run(u, prompt, args.tokens) for k, u in urls.items()}  # load
-            info = {k: r["info"] for k, r in first.items()}
-            for k, u in urls.items():
+            first = {k: run(prompt, args.tokens) for k, run in runners.items()}  # load
+            info = {k: r["info"] for k, r in first.items() if "info" in r}
+            for k, run in runners.items():
                 t = time.perf_counter()
                 while time.perf_counter() - t < args.warmup_s:
-                    browser.run(u, prompt, args.tokens)
-            rates = {"python-1t": [], **{k: [] for k in urls}}
+                    run(prompt, args.tokens)
+            rates = {"python-1t": [], **{k: [] for k in runners}}
             for r in range(args.rounds):
                 order = list(rates) if r % 2 == 0 else list(reversed(rates))
                 for k in order:
                     rate = (python_rate(dec, ids, args.tokens) if k == "python-1t"
-                            else browser.run(urls[k], prompt, args.tokens)["decodeTokensPerSecond"])
+                            else runners[k](prompt, args.tokens)["decodeTokensPerSecond"])
                     rates[k].append(rate)
             med = {k: statistics.median(v) for k, v in rates.items()}
             row = {"model": m, "tokens": args.tokens, "rounds": args.rounds,
@@ -165,6 +191,8 @@ def main(argv=None) -> int:
                   + " | cold (first run after load) " + ", ".join(f"{k} {v:.1f}" for k, v in row["cold_tokens_per_s"].items())
                   + " tok/s", flush=True)
             del dec
+            for w in workers.values():
+                w.close()
     finally:
         browser.close()
         plain.shutdown()

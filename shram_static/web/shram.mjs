@@ -348,6 +348,7 @@ export class ShramModel {
 
   constructor(ort, manifest, tokenizer, decode, prefill) {
     this.ort = ort;
+    this.inplace = !ort.env?.versions?.web;  // onnxruntime-node (see #step)
     this.manifest = manifest;
     this.tokenizer = tokenizer;
     this.decodeSession = decode;
@@ -374,11 +375,25 @@ export class ShramModel {
     const ids = new BigInt64Array(chunk), live = new Uint8Array(chunk);
     tokens.forEach((t, i) => { ids[i] = BigInt(t); live[i] = 1; });
     const T = this.ort.Tensor;
-    const out = await session.run({
+    const feeds = {
       input_ids: new T("int64", ids, [1, chunk]), position_ids: new T("int64", BigInt64Array.of(BigInt(pos)), [1]),
       live: new T("bool", live, [1, chunk]), ...state,
-    });
-    for (const { name } of this.manifest.state) state[`past.${name}`] = out[`present.${name}`];
+    };
+    let out;
+    if (this.inplace) {
+      // onnxruntime-node writes a preallocated output where its buffer lies, and reads inputs
+      // where they lie: each present.X bound to past.X's own buffer updates the state in place
+      // (the graphs' state writes then skip copying the whole tensor, as load_onnx's IOBinding
+      // does; correct because no node reads an old state tensor after writing it).
+      const fetches = { logits: null };
+      for (const { name } of this.manifest.state) fetches[`present.${name}`] = state[`past.${name}`];
+      out = await session.run(feeds, fetches);
+    } else {
+      // onnxruntime-web copies every input into its WASM heap and every output out of it: the
+      // outputs are the next step's state
+      out = await session.run(feeds);
+      for (const { name } of this.manifest.state) state[`past.${name}`] = out[`present.${name}`];
+    }
     const lg = out.logits.data;  // [1, 1 or chunk, V]: the last live token's row
     const row = lg.length === this.vocabSize ? 0 : tokens.length - 1;
     return lg.subarray(row * this.vocabSize, (row + 1) * this.vocabSize);
