@@ -7,13 +7,14 @@ import time
 
 from ..console import info
 
-FORMATS = ("pte", "onnx")
+FORMATS = ("pte", "onnx", "web")
 
 
 def export_main(args) -> int:
     """Exports the model of `--checkpoint` (built-in model when absent) into `--out`."""
     from ..default_model import load_model_and_tokenizer
     from . import export_onnx, export_pte
+    from .web import export_web, find_ort_web
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
     bad = [f for f in formats if f not in FORMATS]
@@ -21,6 +22,12 @@ def export_main(args) -> int:
         raise ValueError(f"--format takes a comma-separated subset of {FORMATS}, got {args.format!r}")
     if args.quantize_embedding and not args.quantize:
         raise ValueError("--quantize-embedding applies with --quantize (int8 or 8da4w)")
+    if "web" in formats:
+        if args.batch_size != 1:
+            raise ValueError("--format web runs one prompt at a time: leave --batch-size at 1")
+        find_ort_web()  # a missing runtime says so now, not after minutes of export
+        if "onnx" in formats:
+            formats.remove("onnx")  # the site holds the same model.onnx: written once
     model, tok = load_model_and_tokenizer(args.checkpoint)
     os.makedirs(args.out, exist_ok=True)
     # The stock ExecuTorch runner reads a tokenizer.json: ship the checkpoint's own, else ours.
@@ -38,7 +45,11 @@ def export_main(args) -> int:
         info(f"exporting {fmt} (batch {args.batch_size}, {chunk}"
              f"{', ' + args.quantize if args.quantize and fmt == 'pte' else ''}); "
              f"lowering can take minutes ...")
-        if fmt == "pte":
+        if fmt == "web":
+            paths = export_web(model, tok, args.out, None if args.decode_only else args.prefill_chunk,
+                               parallel=args.parallel, full_logits=args.full_logits)
+            path = paths["index"]
+        elif fmt == "pte":
             suffix = f".{args.quantize}" if args.quantize else ""
             path = export_pte(model, f"{stem}{suffix}.pte", batch_size=args.batch_size,
                               prefill_chunk=None if args.decode_only else args.prefill_chunk,
@@ -61,7 +72,8 @@ def register(subparsers) -> None:
     """Adds the `export` subcommand to the CLI."""
     p = subparsers.add_parser("export", help="write ExecuTorch (.pte) and/or ONNX artifacts")
     p.add_argument("--checkpoint", help="checkpoint directory (default: the built-in model)")
-    p.add_argument("--format", default="pte,onnx", help="comma-separated: pte, onnx (default both)")
+    p.add_argument("--format", default="pte,onnx", help="comma-separated: pte, onnx, web (default pte,onnx); web: a static site "
+                        "that runs the model in the browser (onnxruntime-web; needs `npm ci`)")
     p.add_argument("--out", required=True, help="output directory (created)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--prefill-chunk", type=int, default=32)

@@ -1,0 +1,133 @@
+"""`export_web`: a static site that runs a SHRAM model in the browser with onnxruntime-web.
+
+The site (any static file server can serve it):
+  * `index.html`: the page (prompt, sampling settings, streamed text, speed), and
+    `window.shram.generate(prompt, options)` for programs;
+  * `shram.mjs`: the ES module that owns the tokenizer, the graphs, the state, sampling and
+    stopping (the same module runs under Node with onnxruntime-node);
+  * `shram.json`: what the module needs to know (files, state tensors, chunk, capacity, tokens);
+  * `model.onnx`, `model.prefill.onnx`, `model.onnx.data`: `export_onnx`'s graphs, batch 1;
+  * `tokenizer.json` (+ `tokenizer_config.json` for the byte tokenizer);
+  * the onnxruntime-web runtime (`ort.wasm.min.mjs` and its WASM), copied from the npm package
+    that the project's `package.json` brings (`npm ci`).
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from ..tokenizer import TOKENIZER_FILE, ByteTokenizer
+from .onnx import export_onnx
+
+MANIFEST_FORMAT = "shram_static.web/1"
+# onnxruntime-web's WASM-only build: the ES module, the loader it imports from its own folder,
+# and the SIMD (+ threads) WebAssembly binary.
+RUNTIME_FILES = ("ort.wasm.min.mjs", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm")
+PAGE_FILES = ("index.html", "shram.mjs")
+WEB_DIR = Path(__file__).resolve().parent.parent / "web"  # the page and module (package data)
+_ONNX_TYPES = {1: "float32", 6: "int32", 7: "int64", 9: "bool", 2: "uint8"}
+
+
+def find_ort_web(where: str | None = None) -> Path:
+    """The `dist` folder of the npm package onnxruntime-web.
+
+    Args:
+        where: a `node_modules` folder, a folder holding one, or the `dist` folder itself.
+            Default: `$SHRAM_ORT_WEB`, else the `node_modules` of the current directory or one
+            above it, else of the source checkout this package runs from.
+
+    Raises:
+        FileNotFoundError: the runtime files are not there, with what to run (`npm ci`).
+    """
+    where = where or os.environ.get("SHRAM_ORT_WEB")
+    if where:
+        p = Path(where)
+        candidates = [p, p / "onnxruntime-web" / "dist", p / "node_modules" / "onnxruntime-web" / "dist"]
+    else:
+        roots = [Path.cwd(), *Path.cwd().parents, WEB_DIR.parent.parent]
+        candidates = [r / "node_modules" / "onnxruntime-web" / "dist" for r in roots]
+    for c in candidates:
+        if all((c / f).is_file() for f in RUNTIME_FILES):
+            return c
+    looked = ", ".join(str(c) for c in candidates[:4]) + (" ..." if len(candidates) > 4 else "")
+    raise FileNotFoundError(
+        f"onnxruntime-web's runtime files ({', '.join(RUNTIME_FILES)}) were not found (looked in {looked}). "
+        f"Run `npm ci` in the shram_static source checkout (its package.json brings onnxruntime-web), "
+        f"then export from there, or point SHRAM_ORT_WEB at a node_modules folder that has onnxruntime-web.")
+
+
+def ort_web_version(dist: Path) -> str:
+    """The version of the onnxruntime-web package whose `dist` folder is given."""
+    with open(dist.parent / "package.json", encoding="utf-8") as f:
+        return json.load(f)["version"]
+
+
+def _tokenizer_entry(tok, out_dir: str) -> dict:
+    """Writes the tokenizer's files into the site; returns the manifest's `tokenizer` entry."""
+    entry = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "file": TOKENIZER_FILE}
+    path = os.path.join(out_dir, TOKENIZER_FILE)
+    if isinstance(tok, ByteTokenizer):
+        tok.save(out_dir)  # for other tools; the module encodes UTF-8 bytes itself
+        return {"type": "bytes", **entry}
+    tok.tok.backend_tokenizer.save(path)
+    with open(path, encoding="utf-8") as f:
+        spec = json.load(f)
+    pre = json.dumps(spec.get("pre_tokenizer"))
+    if (spec.get("model") or {}).get("type") != "BPE" or "ByteLevel" not in pre:
+        raise ValueError(f"the web module runs byte-level BPE tokenizers only; this tokenizer.json has model "
+                         f"{(spec.get('model') or {}).get('type')!r} and pre_tokenizer {pre[:120]}")
+    return {"type": "tokenizer.json", **entry}
+
+
+def export_web(model, tokenizer, out_dir, prefill_chunk: int | None = 32, *, parallel: bool = True,
+               full_logits: bool = False, ort_web: str | None = None) -> dict[str, str]:
+    """Writes the static site (module docstring) into `out_dir`.
+
+    Args:
+        model: a `ShramForCausalLM` (not modified).
+        tokenizer: its tokenizer (`ByteTokenizer`, or an `HFTokenizer` of byte-level BPE).
+        out_dir: the site's folder (created).
+        prefill_chunk: tokens per prefill call; None: no prefill graph (prompts token by token).
+        parallel, full_logits: as `export_onnx`.
+        ort_web: where onnxruntime-web is (`find_ort_web`); default: found from here.
+
+    Returns:
+        {"index": index.html, "manifest": shram.json, **export_onnx's paths}.
+
+    Raises:
+        FileNotFoundError: onnxruntime-web's files are missing (checked before exporting).
+        ValueError: a tokenizer the module cannot run.
+    """
+    import onnx
+
+    dist = find_ort_web(ort_web)  # before the export's minutes, not after
+    os.makedirs(out_dir, exist_ok=True)
+    tok_entry = _tokenizer_entry(tokenizer, out_dir)
+    paths = export_onnx(model, os.path.join(out_dir, "model.onnx"), batch_size=1, prefill_chunk=prefill_chunk,
+                        eos_token_id=tokenizer.eos_token_id, parallel=parallel, full_logits=full_logits)
+    graph = onnx.load(paths["decode"], load_external_data=False).graph
+    state = [{"name": i.name.removeprefix("past."), "type": _ONNX_TYPES[i.type.tensor_type.elem_type],
+              "dims": [d.dim_value for d in i.type.tensor_type.shape.dim]}
+             for i in graph.input if i.name.startswith("past.")]
+    cfg = model.config
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "files": {role: os.path.basename(p) for role, p in paths.items()},
+        "prefill_chunk": prefill_chunk or 1,
+        "capacity": cfg.inference_sequence_length,
+        "vocab_size": cfg.vocab_size,
+        "eos_token_id": tokenizer.eos_token_id,
+        "tokenizer": tok_entry,
+        "state": state,
+        "onnxruntime_web": ort_web_version(dist),
+        "model": {"layers": cfg.num_decoder_layers, "width": cfg.embedding_width,
+                  "parameters": sum(p.numel() for p in model.parameters())},
+    }
+    with open(os.path.join(out_dir, "shram.json"), "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+    for name in PAGE_FILES:
+        shutil.copyfile(WEB_DIR / name, os.path.join(out_dir, name))
+    for name in RUNTIME_FILES:
+        shutil.copyfile(dist / name, os.path.join(out_dir, name))
+    return {"index": os.path.join(out_dir, "index.html"), "manifest": os.path.join(out_dir, "shram.json"), **paths}

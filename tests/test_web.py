@@ -1,0 +1,211 @@
+"""The exported web site (`export --format web`): its module under Node (onnxruntime-node and
+onnxruntime-web) and its page in headless Chromium give Python's `load_onnx` tokens.
+
+Needs node with the project's `npm ci` (and Debian's chromium for the page); outside CI a
+missing one skips its tests with the reason, in CI (`CI` set, as `.ci/run` does) it fails them.
+"""
+
+import functools
+import http.server
+import json
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+
+from shram_static.cli import main as cli_main
+from shram_static.default_model import default_model
+from shram_static.export import load_onnx
+from shram_static.export.web import RUNTIME_FILES, export_web, find_ort_web
+from shram_static.tokenizer import ByteTokenizer, HFTokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+HARNESS = ROOT / "tests" / "web" / "node_harness.mjs"
+BROWSER = ROOT / "web" / "browser.mjs"
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+IN_CI = bool(os.environ.get("CI"))
+# the built-in model's chunk is 32 tokens: the third prompt spans three chunks
+PROMPTS = ["ROMEO:", "Grüße, 世界! 🙂 naïve café —", "First Citizen:\nBefore we proceed any further, hear me speak.\n"
+           "All:\nSpeak, speak.\n"]
+N_NEW = 24
+
+pytestmark = pytest.mark.heavy  # one export (~15 s) and node / chromium processes
+
+
+def need(ok: bool, why: str) -> None:
+    if ok:
+        return
+    if IN_CI:
+        pytest.fail(f"{why} (CI must run this test: .ci/run installs it)")
+    pytest.skip(why)
+
+
+def need_node() -> None:
+    need(shutil.which("node") is not None, "node is not installed")
+    need((ROOT / "node_modules" / "onnxruntime-node").is_dir() and (ROOT / "node_modules" / "onnxruntime-web").is_dir(),
+         "node_modules lacks onnxruntime-node/-web: run `ONNXRUNTIME_NODE_INSTALL=skip npm ci`")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The built-in model's site (prefill chunk 32), exported once for the module."""
+    need_node()
+    out = tmp_path_factory.mktemp("site")
+    export_web(default_model(), ByteTokenizer(), str(out), prefill_chunk=32, parallel=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def python_greedy(site):
+    """Python's `load_onnx(...).generate` greedy tokens for PROMPTS, up to and with EOS."""
+    dec, tok = load_onnx(str(site / "model.onnx"), threads=1), ByteTokenizer()
+    out = []
+    for p in PROMPTS:
+        ids = dec.generate(torch.tensor([tok.encode(p)]), max_new_tokens=N_NEW)[0].tolist()
+        out.append(ids[:ids.index(tok.eos_token_id) + 1] if tok.eos_token_id in ids else ids)
+    return out
+
+
+def run_node(*args, timeout=120) -> list:
+    r = subprocess.run(["node", str(HARNESS), *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def generate_in_node(site, tmp_path, runtime: str, jobs: list) -> list:
+    path = tmp_path / f"jobs-{runtime}.json"
+    path.write_text(json.dumps(jobs))
+    return run_node("generate", runtime, site, path)
+
+
+def test_site_files(site):
+    names = {p.name for p in site.iterdir()}
+    assert {"index.html", "shram.mjs", "shram.json", "model.onnx", "model.prefill.onnx", "model.onnx.data",
+            "tokenizer.json", *RUNTIME_FILES} <= names
+    m = json.loads((site / "shram.json").read_text())
+    assert m["prefill_chunk"] == 32 and m["capacity"] == 1024 and m["vocab_size"] == 259
+    assert m["tokenizer"]["type"] == "bytes" and m["eos_token_id"] == 257
+    props = {p.key: p.value for p in onnx.load(str(site / "model.onnx"), load_external_data=False).metadata_props}
+    assert [s["name"] for s in m["state"]] == json.loads(props["shram_export"])["state_names"]
+
+
+@pytest.mark.parametrize("runtime", ["node", "web"])
+def test_node_greedy_matches_python(site, python_greedy, tmp_path, runtime):
+    res = generate_in_node(site, tmp_path, runtime, [{"prompt": p, "options": {"maxNewTokens": N_NEW}}
+                                                     for p in PROMPTS])
+    tok = ByteTokenizer()
+    for p, want, got in zip(PROMPTS, python_greedy, res):
+        assert "error" not in got, got
+        assert got["ids"] == want, p
+        assert got["text"] == got["streamed"] == tok.decode(want)
+
+
+def test_node_seeded_sampling(site, python_greedy, tmp_path):
+    opts = {"maxNewTokens": 20, "temperature": 0.9, "topK": 40, "topP": 0.9}
+    jobs = [{"prompt": "ROMEO:", "options": {**opts, "seed": 7}}, {"prompt": "ROMEO:", "options": {**opts, "seed": 7}},
+            {"prompt": "ROMEO:", "options": {**opts, "seed": 8}},
+            {"prompt": PROMPTS[0], "options": {"maxNewTokens": N_NEW, "temperature": 1.3, "topK": 1, "seed": 3}}]
+    a, b, c, k1 = generate_in_node(site, tmp_path, "node", jobs)
+    assert a["ids"] == b["ids"] and len(a["ids"]) == 20
+    assert a["ids"] != c["ids"]
+    assert k1["ids"] == python_greedy[0]  # top-k 1 leaves the argmax alone
+
+
+def test_node_bad_inputs(site, tmp_path):
+    jobs = [("", {}), ("x" * 1000, {"maxNewTokens": 100}), ("ROMEO:", {"maxNewTokens": 0}),
+            ("ROMEO:", {"temperature": -1}), ("ROMEO:", {"topP": 0}), ([300], {})]
+    res = generate_in_node(site, tmp_path, "node", [{"prompt": p, "options": o} for p, o in jobs])
+    want = ["prompt is empty", "exceeds the model's capacity of 1024 tokens", "maxNewTokens must be a positive",
+            "temperature must be >= 0", "topP must be in (0, 1]", "outside the vocabulary [0, 259)"]
+    for w, r in zip(want, res):
+        assert w in r.get("error", ""), r
+    ok = generate_in_node(site, tmp_path, "node", [{"prompt": "x" * 1000, "options": {"maxNewTokens": 24}}])[0]
+    assert len(ok["ids"]) == 24  # 1001 + 24 - 1 tokens fit exactly
+
+
+@pytest.mark.parametrize("pre", ["byte_level", "prefix_space", "split_then_byte_level"])
+def test_tokenizer_json_bpe_matches_hf(tmp_path, pre):
+    """The module's byte-level BPE against `tokenizers` (through HFTokenizer) on a tokenizer
+    trained here, with merges, an added special token and multi-byte text."""
+    need(shutil.which("node") is not None, "node is not installed")
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tk = Tokenizer(models.BPE())
+    if pre == "split_then_byte_level":  # a split by a regex of its own first (Llama-3 style)
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(r"\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+|\s+"), "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=pre == "prefix_space")
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|begin_of_text|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ["First Citizen: Before we proceed any further, hear me speak.", "All: Speak, speak.",
+              "Grüße aus Köln, naïve café", "日本語のテキスト 123 456"] * 20
+    tk.train_from_iterator(corpus, trainer)
+    tk.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                      special_tokens=[("<|begin_of_text|>", 1)])
+    tk.save(str(tmp_path / "tokenizer.json"))
+    hf = HFTokenizer(tmp_path)
+    texts = ["First Citizen: speak, speak!", "  leading spaces and 42 numbers", "Grüße 日本 🙂 café",
+             "a<|endoftext|>b", "x\n\ny  z\t"]
+    info = {"type": "tokenizer.json", "bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id,
+            "vocab_size": hf.vocab_size}
+    (tmp_path / "info.json").write_text(json.dumps(info))
+    (tmp_path / "texts.json").write_text(json.dumps(texts))
+    res = run_node("tokenize", ROOT / "shram_static" / "web" / "shram.mjs", tmp_path / "info.json",
+                   tmp_path / "tokenizer.json", tmp_path / "texts.json")
+    for t, r in zip(texts, res):
+        assert r["ids"] == hf.encode(t), t
+        assert r["text"] == hf.decode(r["ids"]), t
+
+
+def test_missing_runtime_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    with pytest.raises(FileNotFoundError, match="npm ci"):
+        find_ort_web(str(tmp_path))
+    monkeypatch.setenv("SHRAM_ORT_WEB", str(tmp_path))
+    assert cli_main(["export", "--format", "web", "--out", str(tmp_path / "site")]) == 2
+    assert "npm ci" in capsys.readouterr().err
+    assert not (tmp_path / "site").exists()  # said before exporting anything
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def test_chromium_page(site, python_greedy, tmp_path):
+    need(Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing (apt-get install chromium)")
+    need((ROOT / "node_modules" / "playwright-core").is_dir(), "node_modules lacks playwright-core: run npm ci")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(site)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    shot = ROOT / "out" / "web" / "page.png"
+    shot.parent.mkdir(parents=True, exist_ok=True)
+    shot.unlink(missing_ok=True)
+    try:
+        (tmp_path / "jobs.json").write_text(json.dumps([{"prompt": p, "options": {"maxNewTokens": N_NEW}}
+                                                        for p in PROMPTS]))
+        ui = {"prompt": PROMPTS[0], "maxNewTokens": N_NEW, "temperature": 0}
+        (tmp_path / "ui.json").write_text(json.dumps(ui))
+        r = subprocess.run(["node", str(BROWSER), f"http://127.0.0.1:{server.server_address[1]}/",
+                            str(tmp_path / "jobs.json"), "--ui", str(tmp_path / "ui.json"), "--screenshot", str(shot)],
+                           capture_output=True, text=True, timeout=180, cwd=ROOT)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert not [m for m in res["logs"] if m.startswith("pageerror")], res["logs"]
+    tok = ByteTokenizer()
+    for p, want, got in zip(PROMPTS, python_greedy, res["jobs"]):
+        assert got.get("ids") == want, (p, got)
+        assert got["streamed"] == tok.decode(want)
+    assert res["ui"]["error"] == ""
+    assert res["ui"]["out"] == PROMPTS[0] + tok.decode(python_greedy[0])  # the streamed text on the page
+    assert "time to first token" in res["ui"]["stats"] and "tokens/s" in res["ui"]["stats"]
+    assert shot.stat().st_size > 10_000  # out/web/page.png: the page after streaming, for a person to look at
