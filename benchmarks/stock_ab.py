@@ -6,7 +6,9 @@ every decoder of the same graph in a process, so a process-wide accelerator cann
 one process (`benchmarks/abba.py`). This starts two `shram-static bench` workers of the same
 model, backend and batch size, one with `SHRAM_STATIC_STOCK=<names>`, loads both, then times
 them in turn at the first and last context, the order reversed every round, and reports the
-medians' ratio (below 1: the accelerated side is faster). An exported backend (`pte`,
+medians' ratio (below 1: the accelerated side is faster), and each worker's warm-up (for a
+compiled backend: a cold compile, each worker with an empty Inductor cache of its own; the two
+load one after the other). An exported backend (`pte`,
 `pte-int8`, `onnx`, ...) is exported once, here, and both workers load that file.
 
     python benchmarks/stock_ab.py persistent_scratch [--model bench] [--batch-size 4] [--rounds 8]
@@ -44,22 +46,28 @@ def main(argv=None) -> int:
 
 def ab(args, opts: list[str]) -> int:
     """Starts the two workers with `opts`, times them and prints the ratios."""
-    before = os.environ.get("SHRAM_STATIC_STOCK")
+    keys = ("SHRAM_STATIC_STOCK", "TORCHINDUCTOR_CACHE_DIR")
+    before = {k: os.environ.get(k) for k in keys}
     workers = {}
+    caches = [tempfile.TemporaryDirectory(prefix="stock_ab_inductor_") for _ in range(2)]
     try:
-        for side, env in (("stock", args.stock), ("accelerated", "")):
-            os.environ["SHRAM_STATIC_STOCK"] = env  # the worker inherits it
+        for (side, env), cache in zip((("stock", args.stock), ("accelerated", "")), caches):
+            os.environ["SHRAM_STATIC_STOCK"] = env  # the worker inherits both
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache.name  # a cold compile of its own
             workers[side] = Worker(opts, side)
     finally:
-        if before is None:
-            os.environ.pop("SHRAM_STATIC_STOCK", None)
-        else:
-            os.environ["SHRAM_STATIC_STOCK"] = before
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     try:
         for w in workers.values():
             w.started()
-        for w in workers.values():
-            w.load()
+        warm = {side: w.load()["warmup_s"] for side, w in workers.items()}
+        print(f"{args.model} {args.backend} B={args.batch_size}: warm-up {warm['accelerated']:.1f} s "
+              f"accelerated, {warm['stock']:.1f} s stock ({warm['accelerated'] / warm['stock']:.3f}x)",
+              flush=True)
         ctx = workers["stock"].contexts
         ctx = [ctx[0], ctx[-1]]
         got = {(s, c): [] for s in workers for c in ctx}
@@ -80,6 +88,8 @@ def ab(args, opts: list[str]) -> int:
     finally:
         for w in workers.values():
             w.close()
+        for c in caches:
+            c.cleanup()
     return 0
 
 

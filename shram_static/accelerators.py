@@ -61,16 +61,6 @@ REGISTRY: dict[str, Accelerator] = {a.name: a for a in [
     _acc("batched_kernel_builds", "kernel_builds.batched_builds",
          "torch._inductor.async_compile.AsyncCompile.cpp_pybinding, CppPythonBindingsCodeCache templates",
          torch=TORCH),
-    _acc("persistent_scratch", "scratch.compiled_call (StaticDecoder's compiled steps, compiled generate())",
-         "the Python wrapper code Inductor generates (empty_strided_cpu / reinterpret_tensor lines, "
-         "Runner.call) and torch._inductor.codecache.PyCodeCache.modules", torch=TORCH),
-    _acc("skip_guards", "decoder.StaticDecoder(skip_guards=True)",
-         "torch._dynamo.eval_frame._stance; Dynamo's error message under skip_guard_eval_unsafe",
-         torch=TORCH),
-    _acc("direct_frame", "frames.DirectFrame (StaticDecoder's steps with skip_guards)",
-         "torch._C._dynamo.eval_frame._debug_get_cache_entry_list, CacheEntry.code (Dynamo's "
-         "transformed frame code), the _torchdynamo_orig_callable of a compiled function, "
-         "torch._dynamo.eval_frame._stance", torch=TORCH),
     # .pte lowering (each leaves the program as the stock lowering writes it)
     _acc("one_trace_lowering", "export.lowering.export_and_lower, export.decompose.export_decomposed",
          "torch.export._trace._export/_export_to_aten_ir; executorch.exir.program._program "

@@ -22,7 +22,7 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from .cache import DEFAULT_PREFILL_CHUNK, ShramCache
 from .cpu_isa import start_isa_checks
-from .scratch import compiled_call
+from .kernel_builds import run_batched
 from .validation import check_capacity
 
 
@@ -77,8 +77,7 @@ class ShramGenerationMixin(GenerationMixin):
 
     def get_compiled_call(self, compile_config):
         """transformers' `torch.compile` of the forward (`PreTrainedModel.get_compiled_call`), each
-        call run by `scratch.compiled_call` (kernels built in batches, the wrapper's scratch made
-        once), with Inductor's vector-ISA check started beside the first trace
+        call run by `kernel_builds.run_batched` (kernels built in batches), with Inductor's vector-ISA check started beside the first trace
         on CPU, as `StaticDecoder(compile=True)` does (a cold first compiled
         `generate()` builds its kernels in far less time: docs/performance.md, "Warm-up").
 
@@ -95,7 +94,7 @@ class ShramGenerationMixin(GenerationMixin):
             start_isa_checks()
         held = self.__dict__.get("_batched_call")  # one wrapper per compiled function
         if held is None or held.args[0] is not compiled:
-            held = self.__dict__["_batched_call"] = functools.partial(compiled_call, compiled)
+            held = self.__dict__["_batched_call"] = functools.partial(run_batched, compiled)
         return held
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None,
