@@ -189,7 +189,7 @@ class StaticDecoder(HostDecoder):
             self._row_stamps = stamps
 
     @contextlib.contextmanager
-    def _steady(self, on: bool = True):
+    def steady(self, on: bool = True):
         """Within the block (when `on`), the caller runs no code of its own user's between steps
         (`generate` without a streamer): no weight can change, so each kind of step checks the
         weights of the RowLinears and RowExperts (`_repack_changed`) once, at its first call."""

@@ -8,6 +8,7 @@ optionally `_run_last` (a chunk's logits at each row's last live token only).
 """
 
 import contextlib
+import time
 
 import numpy as np
 import torch
@@ -94,6 +95,8 @@ class HostDecoder:
         # written without full_logits); prefill and step then run with last_only alone.
         self.full_logits = True
         self._undo = torch.zeros(batch_size, dtype=torch.long)  # tokens each row can forget now
+        self._feed_times: list | None = None  # inside `timed_feeds`: (n, seconds) per `feed`
+        self._feed_clock = time.perf_counter
 
     # -- backend hooks --------------------------------------------------------------
     def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
@@ -189,7 +192,7 @@ class HostDecoder:
         live = check_mask(active, ids.shape, "active")
         live = torch.ones(self.batch_size, dtype=torch.bool) if live is None else live.cpu()
         self._check_capacity(live.long())
-        return self._feed(ids.long().cpu()[:, None], live[:, None])[:, 0]
+        return self.feed(ids.long().cpu()[:, None], live[:, None])[:, 0]
 
     # -- rollback and verification (speculative decoding) ----------------------------
     def rollback(self, n) -> None:
@@ -230,7 +233,7 @@ class HostDecoder:
                 why = (f"it can forget at most {int(can[b])} now (this decoder keeps the last "
                        f"rollback_limit={self.rollback_limit} fed tokens, fewer since a rollback)")
             raise ValueError(f"cannot roll back {int(t[b])} tokens of row {b}: {why}")
-        self._forget(t)
+        self.forget(t)
 
     @property
     def rollbackable(self) -> torch.Tensor:
@@ -264,33 +267,61 @@ class HostDecoder:
             return self.prefill(ids, active)
         ids, live = self._check_prompt(ids, active)
         self._check_capacity(live.long().sum(1))
-        return self._feed(ids, live)
+        return self.feed(ids, live)
 
-    def _feed(self, ids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """`decode` (n = 1) or `verify` (1 < n <= verify_len) of tokens already checked: ids
-        (B, n) int64 in the vocabulary, live (B, n) bool, within capacity. Returns (B, n, V) float.
+    # -- the unchecked contract (speculative decoding, generation loops, benchmarks) ----
+    def feed(self, ids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """`decode` (n = 1) or `verify` (1 < n <= verify_len) of tokens the caller vouches for,
+        without the public methods' input checks.
 
-        WHY unchecked: `generate`'s loops feed tokens they picked themselves from logits, within
-        the capacity `generate` checked up front; the public methods' checks (a dozen small
-        torch ops, each 3-8 us here) would cost about a tenth of a small model's step."""
+        For a loop that feeds back tokens it picked from this decoder's own logits, within a
+        capacity it checked up front (`generate`, `speculative.py`). WHY unchecked: the
+        public methods' checks (a dozen small torch ops, each 3-8 us) cost about a tenth of a
+        small model's step.
+
+        Args:
+            ids: (B, n) int64 token ids in the vocabulary, on the CPU.
+            live: (B, n) bool, which tokens are live; every row stays within capacity.
+
+        Returns:
+            (B, n, V) float logits (unspecified at dead tokens).
+        """
         n = ids.shape[1]
         if 1 < n < self.verify_len:  # the verify step's fixed shape: pad with dead tokens
             pad = self.verify_len - n
             ids, live = torch.nn.functional.pad(ids, (0, pad)), torch.nn.functional.pad(live, (0, pad))
-        lg = self._call(ids, live)
+        if self._feed_times is None:
+            lg = self._call(ids, live)
+        else:
+            t0 = self._feed_clock()
+            lg = self._call(ids, live)
+            self._feed_times.append((n, self._feed_clock() - t0))
         return (lg if lg.shape[1] == n else lg[:, :n]).float().cpu()
 
-    def _steady(self, on: bool = True):
-        """A context in which the caller runs none of its user's code between steps; a backend
-        may then skip per-call checks that only such code could make necessary (`StaticDecoder`).
-        Here: nothing."""
-        return contextlib.nullcontext()
-
-    def _forget(self, n: torch.Tensor) -> None:
-        """`rollback` of n (B,) int64 tokens per row already known to be forgettable (checked
-        there; `generate` forgets only the rejected guesses of the verify step just run)."""
+    def forget(self, n: torch.Tensor) -> None:
+        """`rollback` without its checks: n (B,) int64 tokens per row, each at most what the row
+        can forget now (`rollbackable`), e.g. the rejected guesses of the verify step just run."""
         self._count -= n
         self._undo -= n
+
+    def steady(self, on: bool = True):
+        """A context within which (when `on`) the caller runs none of its user's code between
+        steps (`generate` without a streamer): nothing but this decoder's own steps can change
+        a weight, so a backend may skip per-call checks that only such code makes necessary
+        (`StaticDecoder` checks its packed weights once per kind of step). Here: nothing."""
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def timed_feeds(self, clock=time.perf_counter):
+        """Within the block, records every `feed` (what `generate`'s loops run after the
+        prompt) as (tokens per row, seconds by `clock`); yields the list it appends to.
+        What `shram-static bench-speculative` splits a generation's time with."""
+        before = self._feed_times, self._feed_clock
+        self._feed_times, self._feed_clock = [], clock
+        try:
+            yield self._feed_times
+        finally:
+            self._feed_times, self._feed_clock = before
 
     # -- per-row lifecycle (continuous batching) --------------------------------------
     def reset_rows(self, rows) -> None:
@@ -432,7 +463,7 @@ class HostDecoder:
             return speculative_generate(self, ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer,
                                         k, draft)
         # a streamer is the caller's code between steps: every step is checked then
-        with self._steady(streamer is None):
+        with self.steady(streamer is None):
             return self._generate(ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer)
 
     def _generate(self, ids, live, max_new_tokens: int, sample: bool, warp, gen, eos, pad, streamer) -> torch.Tensor:
@@ -464,7 +495,7 @@ class HostDecoder:
                 break
             feed.numpy()[:, 0] = np.where(done, 0, nxt)
             feed_live.numpy()[:, 0] = ~done
-            logits = self._feed(feed, feed_live)[:, 0]
+            logits = self.feed(feed, feed_live)[:, 0]
         if streamer is not None:
             streamer.end()
         return torch.from_numpy(out)

@@ -274,7 +274,7 @@ class _ChangesAWeight:
 @pytest.mark.parametrize("speculate", [None, 3])
 def test_generate_checks_each_step_once_unless_a_streamer_runs_between_steps(monkeypatch, speculate):
     """Without a streamer nothing but `generate` runs between its steps, so a compiled decoder
-    checks its weights (`decoder._stamps`) once per kind of step and call (`StaticDecoder._steady`).
+    checks its weights (`decoder._stamps`) once per kind of step and call (`StaticDecoder.steady`).
     With a streamer every step is checked: a weight the streamer changes in place mid-generation
     is what the next step reads (the tokens equal an eager decoder's under the same streamer,
     and differ from the unchanged model's)."""
