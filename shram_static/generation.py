@@ -23,6 +23,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from .cache import DEFAULT_PREFILL_CHUNK, ShramCache
 from .cpu_isa import start_isa_checks
 from .kernel_builds import run_batched
+from .rows import canonical
 from .validation import check_capacity
 
 
@@ -38,17 +39,14 @@ def default_compile_config() -> CompileConfig:
 
 
 def _new_token_mask(attention_mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
-    """(B, n) bool live flags of the n new columns, as a fresh tensor with canonical strides.
-
-    WHY: the compiled decode forward guards on input strides; a (B, 1) slice of the growing
-    mask keeps its parent's row stride (and `.contiguous()` is a no-op for it when B == 1), so
-    passing it would recompile at every step. A missing mask becomes all True, so calls with
+    """(B, n) bool live flags of the n new columns, with canonical strides (`rows.canonical`:
+    the compiled decode forward guards on them). A missing mask becomes all True, so calls with
     and without a mask share one graph.
     """
     n = ids.shape[1]
     if attention_mask is None:
         return torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
-    return attention_mask[:, -n:].to(torch.bool).clone(memory_format=torch.contiguous_format)
+    return canonical(attention_mask[:, -n:].to(torch.bool))
 
 
 class ShramGenerationMixin(GenerationMixin):
