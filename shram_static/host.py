@@ -1,10 +1,11 @@
 """Host-side decoding API shared by every backend (eager/compiled torch, ExecuTorch, ONNX).
 
 `HostDecoder` owns everything that happens on the host: input validation (before anything
-runs, so a bad call leaves the state exactly as it was), the live-token count of each row,
-splitting prompts into fixed-size chunks, and sampling. A backend implements only
+runs, so a bad call leaves the state exactly as it was), the live-token and rollback counts of
+each row, splitting prompts into fixed-size chunks, and sampling. A backend implements only
 `_run(tokens, input_pos, live)` for C = 1 (decode) and C = prefill_chunk (prefill), and
-optionally `_run_last` (a chunk's logits at each row's last live token only).
+optionally `_run_last` (a chunk's logits at each row's last live token only). Its public
+methods are the whole contract other modules use (docs/design.md, "The decoder contract").
 """
 
 import contextlib

@@ -1,4 +1,4 @@
-"""Parameter-holding modules of one SHRAM decoder layer, named as in the checkpoint (SPEC A.2).
+"""Parameter-holding modules of one SHRAM decoder layer, named as in the checkpoint (docs/design.md, "Checkpoint layout").
 
 They hold weights and the position-free math (norms, projections, MLP, the selected experts'
 projections). Attention over a sequence lives in `model.py` (uncached forward) and `step.py`

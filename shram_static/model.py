@@ -1,4 +1,4 @@
-"""`ShramForCausalLM`: SHRAM weights and the uncached full forward (SPEC A.3-A.7)."""
+"""`ShramForCausalLM`: SHRAM weights and the uncached full forward (docs/design.md, "What SHRAM computes")."""
 
 import math
 from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""The static step: C tokens per row over fixed-shape state (SPEC B).
+"""The static step: C tokens per row over fixed-shape state (docs/design.md, "The step").
 
 `step` is the single code path of both the decode step (C = 1) and the prefill step
 (C = prefill_chunk). It has no Python branch on tensor data, no host read-back, no

@@ -143,7 +143,7 @@ def golden_case(name: str) -> tuple[ShramForCausalLM, dict]:
 
 
 def oracle_cfg(config: ShramConfig) -> dict:
-    """The plain dict tests/oracle.py reads (SPEC A.1 fields only)."""
+    """The plain dict tests/oracle.py reads (the fields of docs/design.md, "Config", only)."""
     return {k: getattr(config, k) for k in CONFIG_DEFAULTS}
 
 
