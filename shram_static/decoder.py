@@ -9,7 +9,6 @@ from .cpu_isa import start_isa_checks
 # RowLinear: also importable from here, where the decoder that uses it lives
 from .fast_layers import FEW_ROWS, RowExperts, RowLinear, row_linear_, shared_copy  # noqa: F401
 from .host import HostDecoder
-from .hugepages import collapse_tensors
 from .kernel_builds import run_batched
 from .state import StaticState
 from .step import StepModule
@@ -21,7 +20,7 @@ from .validation import check_verify_len
 # WHY: Inductor inlines a cheap producer such as the RMSNorm into every consumer, and Inductor's
 # C++ keeps libm's errno semantics (-fmath-errno), so the norm's rsqrt stays in the innermost
 # loop, once per row per 8 weights. At one row the default fusion is as fast or faster
-# (docs/performance.md).
+# (docs/performance.md, "Compiled torch"; "Tried and not kept").
 ROW_INPUTS_STORED = {"realize_reads_threshold": 1}
 
 # Inductor option for both compiled steps: no `assert_size_stride` calls in the generated
@@ -71,7 +70,7 @@ class StaticDecoder(HostDecoder):
             per_token_max); longer prefill chunks attend expert by expert. Compiled on CPU,
             a verify step of at most FEW_ROWS (8) tokens per row runs its projections as
             `RowLinear` row reductions; a longer one as matrix products, which made a 9-token
-            verify step cost ~3 decode steps on the built-in model (docs/performance.md).
+            verify step cost ~3 decode steps on the built-in model.
         rollback_limit: the most tokens a row can forget at once (`rollback`); the state is
             built for max(prefill_chunk, verify_len, rollback_limit) (see `state.py`).
 
@@ -113,10 +112,6 @@ class StaticDecoder(HostDecoder):
         self._row_owner = [m for m in packers for _ in m.sources]  # the packer of each weight
         self._row_weights = [w for m in packers for w in m.sources]
         self._row_stamps = _stamps(self._row_weights)
-        if compile:
-            # what a decode step streams, the packed copies and the state, onto huge pages
-            # (shram_static.hugepages); the caller's own weights are left as they are
-            collapse_tensors([*(b for m in packers for b in m.buffers(recurse=False)), *self.state.tensors()])
         self.compiled = compile
         self._held: set[str] | None = None  # inside `steady`: the steps whose weights were checked there
         if compile and p.device.type == "cpu":  # Inductor's ISA check, beside the first trace
@@ -185,7 +180,6 @@ class StaticDecoder(HostDecoder):
         if stamps != self._row_stamps:
             for m in {m for m, now, then in zip(self._row_owner, stamps, self._row_stamps) if now != then}:
                 m.repack()
-                collapse_tensors(m.buffers(recurse=False))
             self._row_stamps = stamps
 
     @contextlib.contextmanager

@@ -77,7 +77,7 @@ class ShramGenerationMixin(GenerationMixin):
         """transformers' `torch.compile` of the forward (`PreTrainedModel.get_compiled_call`), each
         call run by `kernel_builds.run_batched` (kernels built in batches), with Inductor's vector-ISA check started beside the first trace
         on CPU, as `StaticDecoder(compile=True)` does (a cold first compiled
-        `generate()` builds its kernels in far less time: docs/performance.md, "Warm-up").
+        `generate()` builds its kernels in far less time: docs/performance.md, "Warm-up and export").
 
         Args:
             compile_config: `CompileConfig` or None (transformers' default handling).

@@ -85,7 +85,7 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
         if self.lm_head is not None:
             return self.lm_head(h)
         # F.linear, not `x @ W.t()`: ExecuTorch delegates linear to XNNPACK but leaves a
-        # transposed mm on portable kernels, several times slower (docs/performance.md), and
+        # transposed mm on portable kernels, several times slower (docs/performance.md, "`.pte`"), and
         # torchao's int8 flow quantizes only linear.
         return F.linear(h, self.embed_tokens.weight)
 

@@ -27,7 +27,7 @@ import torch
 # What a verify step of up to 5 tokens costs, in decode steps, for the gate that decides whether
 # prompt-lookup guesses are worth verifying: a round must keep VERIFY_COST - 1 guesses on
 # average to beat plain decoding. A constant, not a timing, so that seeded sampling stays
-# reproducible; `shram-static bench-speculative` measures the ratio (docs/performance.md).
+# reproducible; `shram-static bench-speculative` measures the ratio (docs/performance.md, "Speculative decoding").
 VERIFY_COST = 1.5
 PROBE_EVERY = 2  # a gated-off prompt lookup still verifies one round in this many
 # The n-grams prompt lookup matches: the longest match up to LOOKUP_NGRAMS[0] tokens, none
