@@ -6,7 +6,7 @@ round, and prints each side's median and its ratio to the first (the accelerated
 What backs the export-time rows of the accelerator table in docs/performance.md.
 
     python benchmarks/export_ab.py --model bench --backend pte one_trace_lowering 1
-    python benchmarks/export_ab.py --model bench --backend onnx one_trace_onnx_export --rounds 2
+    python benchmarks/export_ab.py --model bench --backend onnx skip_onnx_slices_split --rounds 2
 """
 
 import argparse
