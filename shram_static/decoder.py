@@ -113,6 +113,7 @@ class StaticDecoder(HostDecoder):
         self._row_weights = [w for m in packers for w in m.sources]
         self._row_stamps = _stamps(self._row_weights)
         self.compiled = compile
+        self.skip_guards = False  # Dynamo checks each step's guards on every call
         self._held: set[str] | None = None  # inside `steady`: the steps whose weights were checked there
         if compile and p.device.type == "cpu":  # Inductor's ISA check, beside the first trace
             start_isa_checks()
