@@ -8,12 +8,12 @@ is faster). Use it to decide whether a change pays, on the same machine, in one 
 
 A and B are each an exported file (`.pte`, or the decode graph `.onnx`) or a PyTorch decoder of
 `--model`: `eager`, `compiled`, or either with `StaticDecoder` options, e.g.
-`compiled:skip_guards=0`. Run one side with the accelerators off by giving it its own process
+`compiled:verify_len=4`. Run one side with the accelerators off by giving it its own process
 instead (`SHRAM_STATIC_STOCK=1`), since that switch is read per process.
 
     python benchmarks/abba.py old.pte new.pte [--rounds 20]
     python benchmarks/abba.py old.onnx new.onnx
-    python benchmarks/abba.py compiled:skip_guards=0 compiled --model bench
+    python benchmarks/abba.py compiled:verify_len=4 compiled --model bench
 """
 
 import argparse
@@ -42,7 +42,7 @@ def build(spec: str, model_name: str, batch_size: int):
     kw = {}
     for item in filter(None, opts.split(",")):
         key, _, value = item.partition("=")
-        kw[key] = bool(int(value)) if key == "skip_guards" else int(value)
+        kw[key] = int(value)
     return StaticDecoder(build_model(model_name).eval(), batch_size=batch_size, compile=kind == "compiled", **kw)
 
 

@@ -81,11 +81,11 @@ def main(argv=None) -> int:
         dec.prefill(prompt, last_only=True)
         with inlined_layers(args.inline_layers and name == "B"):
             t0 = time.perf_counter()
-            lg1 = dec._feed(ids[:, :1], one)
-            dec._forget(torch.tensor([1]))
+            lg1 = dec.feed(ids[:, :1], one)
+            dec.forget(torch.tensor([1]))
             t1 = time.perf_counter()
-            logits[name] = (lg1, dec._feed(ids, five))
-            dec._forget(torch.tensor([5]))
+            logits[name] = (lg1, dec.feed(ids, five))
+            dec.forget(torch.tensor([5]))
         print(f"{name}: first decode {t1 - t0:.1f} s, first verify {time.perf_counter() - t1:.1f} s "
               f"(compiles, unless Inductor's cache holds them)")
     print(f"largest logit difference B - A: decode {(logits['A'][0] - logits['B'][0]).abs().max():.2e}, "
@@ -98,12 +98,12 @@ def main(argv=None) -> int:
             with inlined_layers(args.inline_layers and name == "B"):
                 t0 = time.perf_counter()
                 for _ in range(n):
-                    dec._feed(ids[:, :1], one)
-                    dec._forget(torch.tensor([1]))
+                    dec.feed(ids[:, :1], one)
+                    dec.forget(torch.tensor([1]))
                 t1 = time.perf_counter()
                 for _ in range(n):
-                    dec._feed(ids, five)
-                    dec._forget(torch.tensor([5]))
+                    dec.feed(ids, five)
+                    dec.forget(torch.tensor([5]))
             times[(name, "decode")].append((t1 - t0) / n)
             times[(name, "verify")].append((time.perf_counter() - t1) / n)
     for k in ("decode", "verify"):

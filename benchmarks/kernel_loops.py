@@ -40,15 +40,20 @@ def loop(model_name: str, step: str, seconds: float) -> None:
     dec.prefill(ids[:, :256])
     n = dec.verify_len if step == "verify" else 1
     tokens, live = ids[:, :n].clone(), torch.ones(1, n, dtype=torch.bool)
+    back = torch.full((1,), n)
+
+    def run():  # one step at the same position each time: fed, then forgotten
+        dec.feed(tokens, live)
+        dec.forget(back)
     for _ in range(10):  # compiles, then warms the caches
-        dec._run(tokens, dec._count, live)
+        run()
     t = time.perf_counter()
     for _ in range(20):
-        dec._run(tokens, dec._count, live)
+        run()
     print(f"ready {(time.perf_counter() - t) / 20 * 1e3:.2f}", flush=True)
     end = time.time() + seconds
     while time.time() < end:
-        dec._run(tokens, dec._count, live)
+        run()
 
 
 def nests(src: list[str]) -> list[tuple[int, int, str]]:

@@ -60,15 +60,15 @@ class Scripted:
         self.n += int(live.sum())
         return self._logits(1)
 
-    def _feed(self, ids, live):  # what the loop calls for a decode or verify step
+    def feed(self, ids, live):  # what the loop calls for a decode or verify step
         k = int(live.sum())
         self.n += k
         return self._logits(k)[None]
 
-    def _forget(self, n):  # and for a rollback
+    def forget(self, n):  # and for a rollback
         self.n -= int(n.sum())
 
-    def _steady(self, on=True):  # nothing to check between its steps
+    def steady(self, on=True):  # nothing to check between its steps
         return contextlib.nullcontext()
 
 

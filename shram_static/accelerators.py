@@ -1,14 +1,13 @@
 """Accelerators: every speed-up that patches or re-implements a private internal of torch
 (Inductor, Dynamo, torch.fx, torch.export, the ONNX exporter), ExecuTorch or onnxscript,
-registered in one place with the releases it was verified on (and `huge_pages`, which touches
-no package, for the same switch).
+registered in one place with the releases it was verified on.
 
 An accelerator runs only where every package it touches is at a release it was verified on
 (the stock path and the accelerated one compared by tests/test_accelerators.py and the tests of
 its own module); anywhere else it stays off, the stock path runs, and one debug-level line says
 so. `SHRAM_STATIC_STOCK=1` in the environment, or `set_stock(True)` / `with stock():` in
 Python, turns every one of them off; `SHRAM_STATIC_STOCK=name,name` turns off the named ones
-(for measuring one against the stock path). What each one buys is in docs/performance.md.
+(for measuring one against the stock path). What each one buys is in docs/performance.md, "Accelerators".
 
 A leaf module: it imports nothing of the package, and neither torch nor ExecuTorch (versions
 are read from the installed distributions' metadata).
@@ -61,16 +60,6 @@ REGISTRY: dict[str, Accelerator] = {a.name: a for a in [
     _acc("batched_kernel_builds", "kernel_builds.batched_builds",
          "torch._inductor.async_compile.AsyncCompile.cpp_pybinding, CppPythonBindingsCodeCache templates",
          torch=TORCH),
-    _acc("persistent_scratch", "scratch.compiled_call (StaticDecoder's compiled steps, compiled generate())",
-         "the Python wrapper code Inductor generates (empty_strided_cpu / reinterpret_tensor lines, "
-         "Runner.call) and torch._inductor.codecache.PyCodeCache.modules", torch=TORCH),
-    _acc("skip_guards", "decoder.StaticDecoder(skip_guards=True)",
-         "torch._dynamo.eval_frame._stance; Dynamo's error message under skip_guard_eval_unsafe",
-         torch=TORCH),
-    _acc("direct_frame", "frames.DirectFrame (StaticDecoder's steps with skip_guards)",
-         "torch._C._dynamo.eval_frame._debug_get_cache_entry_list, CacheEntry.code (Dynamo's "
-         "transformed frame code), the _torchdynamo_orig_callable of a compiled function, "
-         "torch._dynamo.eval_frame._stance", torch=TORCH),
     # .pte lowering (each leaves the program as the stock lowering writes it)
     _acc("one_trace_lowering", "export.lowering.export_and_lower, export.decompose.export_decomposed",
          "torch.export._trace._export/_export_to_aten_ir; executorch.exir.program._program "
@@ -105,14 +94,7 @@ REGISTRY: dict[str, Accelerator] = {a.name: a for a in [
     _acc("xnnpack_weight_cache", "export.backend_options.share_packed_weights",
          "executorch::runtime::set_option/get_option (C++ symbols of lib/libexecutorch.so, through ctypes) "
          "and the layout of executorch::runtime::BackendOption", executorch=("1.5.1",)),
-    # every backend's loaded weights (no private internal of a package: an OS memory hint,
-    # registered for its switch)
-    _acc("huge_pages", "hugepages.collapse_resident (load_pte, load_onnx, StaticDecoder(compile=True))",
-         "no private internal of a package: madvise(MADV_COLLAPSE) on this process's resident "
-         "anonymous memory (Linux 6.1 and newer)"),
     # .onnx export
-    _acc("one_trace_onnx_export", "export.decompose.onnx_decomposed",
-         "torch.onnx._internal.exporter._decomp/_fx_passes.decompose_with_registry", torch=TORCH),
     _acc("skip_onnx_slices_split", "export.lowering.without_onnx_rewrite_rules",
          "onnxscript.rewriter._DEFAULT_REWRITE_RULES", onnxscript=ONNXSCRIPT),
 ]}

@@ -70,7 +70,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     # scores, but XNNPACK's bmm with a one-column right operand took twice as long as the key
     # copy and this product together (the bench model's decode attention alone 0.97 -> 0.57 ms;
     # its `.pte` decode step 0.96-0.98x fp32, 0.94-0.98x int8; Inductor's code is the same
-    # either way: docs/performance.md).
+    # either way: docs/performance.md, "`.pte`").
     s = mm(q3, k3.transpose(1, 2))  # (N, Q, S)
     s = s.view(*lead, Q, S) * scale + bias  # (..., Q, S)
     a = torch.softmax(s, dim=-1)

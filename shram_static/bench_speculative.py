@@ -53,8 +53,8 @@ def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> di
     """Median seconds of a decode step and of a verify step of k + 1 tokens at context ctx,
     alternating (each rolled back, so both run at the same positions), by `clock`:
     - "decode", "verify": through the public `decode` / `verify` (input checks included);
-    - "fed_decode", "fed_verify": as `generate`'s loops feed them (`HostDecoder._feed` inside
-      the decoder's steady window: no input checks, each kind of step checked once). A public
+    - "fed_decode", "fed_verify": as `generate`'s loops feed them (`HostDecoder.feed` inside
+      the decoder's `steady` window: no input checks, each kind of step checked once). A public
       call's checks cost the same for both steps, which makes their ratio look smaller than
       what speculation pays per round;
     - "after_decode": a public decode step run after another decode step (what plain decoding
@@ -78,15 +78,15 @@ def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> di
         dec.rollback(k + 1)
         t["decode"].append(t1 - t0)
         t["verify"].append(t3 - t2)
-        with dec._steady():
+        with dec.steady():
             t0 = clock()
-            dec._feed(ids[:, :1], one)
+            dec.feed(ids[:, :1], one)
             t1 = clock()
-            dec._forget(torch.ones(1, dtype=torch.long))
+            dec.forget(torch.ones(1, dtype=torch.long))
             t2 = clock()
-            dec._feed(ids, all_live)
+            dec.feed(ids, all_live)
             t3 = clock()
-            dec._forget(torch.full((1,), k + 1))
+            dec.forget(torch.full((1,), k + 1))
         t["fed_decode"].append(t1 - t0)
         t["fed_verify"].append(t3 - t2)
     for _ in range(steps):
@@ -95,26 +95,6 @@ def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> di
         t["after_decode"].append(clock() - t0)
         dec.rollback(1)
     return {name: statistics.median(v) for name, v in t.items()}
-
-
-@contextlib.contextmanager
-def _timed_feeds(dec, clock):
-    """Records (tokens per row, seconds) of every step `generate`'s loops feed to `dec` in the
-    block: an instance attribute over `HostDecoder._feed`, removed afterwards."""
-    feeds: list[tuple[int, float]] = []
-    feed = dec._feed
-
-    def timed(ids, live):
-        t0 = clock()
-        out = feed(ids, live)
-        feeds.append((ids.shape[1], clock() - t0))
-        return out
-
-    dec._feed = timed
-    try:
-        yield feeds
-    finally:
-        del dec._feed
 
 
 def _split(feeds: list[tuple[int, float]], total: float) -> dict:
@@ -132,7 +112,7 @@ def run_prompt(dec, ids: torch.Tensor, n: int, k: int, rounds: int, clock=time.p
     call, and after the first new token. The time to the first token (the prompt's prefill
     and a pick, the same work in both) is timed on its own in each round and subtracted: a
     streamer noting it would be the caller's code between steps, which makes a compiled
-    decoder check every step (`StaticDecoder._steady`). Inside both loops every step fed
+    decoder check every step (`HostDecoder.steady`). Inside both loops every step fed
     after the first token is timed as well (`_split`, the median round's)."""
     from .sampling import Sampler
 
@@ -142,14 +122,14 @@ def run_prompt(dec, ids: torch.Tensor, n: int, k: int, rounds: int, clock=time.p
     gens: dict[str, list] = {"plain": [], "spec": []}  # (seconds after the first token, `_split`)
     for _ in range(rounds):
         t0 = clock()
-        with _timed_feeds(dec, clock) as plain_feeds:
+        with dec.timed_feeds(clock) as plain_feeds:
             want = dec.generate(ids, max_new_tokens=n)
         t1 = clock()
-        with _timed_feeds(dec, clock) as spec_feeds:
+        with dec.timed_feeds(clock) as spec_feeds:
             got = speculative_generate(dec, ids, live, n, False, Sampler(0), None, None, 0, None, k,
                                        None, stats)  # what generate(speculate=k) runs, its step counts kept
         t2 = clock()
-        with dec._steady():
+        with dec.steady():
             dec.reset()
             dec.prefill(ids, last_only=True).argmax(-1)
         first = clock() - t2

@@ -9,19 +9,19 @@ decoder layer holds a local ring and per-expert sparse caches (see `state.py`), 
 static step (`step.py`). So the layers here are thin views on `StaticState.layers`, and all
 writing happens in `ShramCache.run`, the one place that calls the step.
 
-Two counters, both tensors: Python ints stored on the cache would be guarded by
-`torch.compile` and recompile the decode forward at every step.
-- `live_counts (B,)`: live tokens each row holds (the step's `input_pos`).
+Its counters are tensors: Python ints stored on the cache would be guarded by `torch.compile`
+and recompile the decode forward at every step.
+- `live_counts (B,)`, `undo (B,)`: live tokens each row holds (the step's `input_pos`) and
+  tokens it can forget now (`crop`), kept by `rows.RowCounts` as `HostDecoder`'s are.
 - `columns ()`: padded columns consumed, what `get_seq_length()` reports; a dead (left-pad)
   column counts, because `generate()` slices the padded `input_ids` and mask by it.
-- `undo (B,)`: tokens each row can forget now (`crop`), at most `rollback_limit`.
 """
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .config import ShramConfig
+from .rows import RowCounts, padded_chunks
 from .state import StaticState
 from .step import step
 
@@ -101,12 +101,21 @@ class ShramCache(Cache):
         self.state = StaticState(config, batch_size, prefill_chunk, dtype=dtype, device=device,
                                  rollback_limit=rollback_limit)
         dev = self.state.layers[0].routes.device
-        self.live_counts = torch.zeros(batch_size, dtype=torch.long, device=dev)  # (B,)
+        self.counts = RowCounts(batch_size, dev)
         self.columns = torch.zeros((), dtype=torch.long, device=dev)  # ()
-        self.undo = torch.zeros(batch_size, dtype=torch.long, device=dev)  # (B,)
         super().__init__(layers=[ShramCacheLayer(self, i) for i in range(config.num_decoder_layers)])
 
     # -- properties -------------------------------------------------------------------
+    @property
+    def live_counts(self) -> torch.Tensor:
+        """(B,) live tokens each row holds (the tensor the steps read, updated in place)."""
+        return self.counts.live
+
+    @property
+    def undo(self) -> torch.Tensor:
+        """(B,) tokens each row can forget now (`crop`), at most `rollback_limit`."""
+        return self.counts.undo
+
     @property
     def batch_size(self) -> int:
         return self.state.batch_size
@@ -144,16 +153,14 @@ class ShramCache(Cache):
     def reset(self) -> None:
         """Empties every row (the buffers are zeroed too, though position 0 alone would do)."""
         self.state.zero_()
-        self.live_counts.zero_()
+        self.counts.reset()
         self.columns.zero_()
-        self.undo.zero_()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row b takes the state of row `beam_idx[b]`, in place (beam search)."""
         idx = beam_idx.to(device=self.device, dtype=torch.long)
         self.state.reorder_(idx)
-        self.live_counts.copy_(self.live_counts.index_select(0, idx))
-        self.undo.copy_(self.undo.index_select(0, idx))
+        self.counts.reorder(idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forgets the last `-tokens_to_remove` columns of every row, exactly (transformers 5.x
@@ -172,12 +179,11 @@ class ShramCache(Cache):
         n = -tokens_to_remove
         if n == 0:
             return
-        can = torch.minimum(self.undo, self.live_counts).min().item()
+        can = self.counts.rollbackable.min().item()
         if n > can or n > int(self.columns):
             raise ValueError(f"cannot crop {n} tokens: a row can forget at most {can} now (this cache keeps "
                              f"the last rollback_limit={self.rollback_limit} fed tokens, fewer since a crop)")
-        self.live_counts.sub_(n)
-        self.undo.sub_(n)
+        self.counts.forget(n)
         self.columns.sub_(n)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -209,11 +215,10 @@ class ShramCache(Cache):
             logits = self._step(model, ids, live)
         else:
             C = self.prefill_chunk
-            pad = (-N) % C
-            ids, live = F.pad(ids, (0, pad)), F.pad(live, (0, pad))
+            ids, live, starts = padded_chunks(ids, live, C)
             first = 0 if not keep else max(N - keep, 0) // C * C  # first chunk whose logits are kept
             chunks = []
-            for c0 in range(0, N + pad, C):
+            for c0 in starts:
                 lc = live[:, c0:c0 + C]
                 if not torch.compiler.is_compiling() and not bool(lc.any()):
                     # A chunk of padding only is a no-op: skip its compute (eager only, as the
@@ -235,7 +240,5 @@ class ShramCache(Cache):
     def _step(self, model, tokens: torch.Tensor, live: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         logits, _, _ = step(model=model, state=self.state.tensors(), tokens=tokens, input_pos=self.live_counts,
                             live=live, ring=self.state.ring, inplace=True, last_only=last_only)
-        n = live.long().sum(1)
-        self.live_counts.add_(n)
-        self.undo.copy_((self.undo + n).clamp(max=self.state.rollback_limit))
+        self.counts.fed(live.long().sum(1), self.state.rollback_limit)
         return logits

@@ -1,4 +1,4 @@
-"""Checkpoint I/O: `config.json` + `model.safetensors` in the original layout (SPEC A.2)."""
+"""Checkpoint I/O: `config.json` + `model.safetensors` in the original layout (docs/design.md, "Checkpoint layout")."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""SHRAM configuration (SPEC A.1): fields, defaults, validation and derived sizes."""
+"""SHRAM configuration (docs/design.md, "Config"): fields, defaults, validation and derived sizes."""
 
 import math
 

@@ -5,14 +5,11 @@ import contextlib
 import torch
 import torch._inductor.config  # noqa: F401 -- read below for the FP-contraction option
 
-from .accelerators import enabled
 from .cpu_isa import start_isa_checks
-from .frames import DirectFrame
 # RowLinear: also importable from here, where the decoder that uses it lives
 from .fast_layers import FEW_ROWS, RowExperts, RowLinear, row_linear_, shared_copy  # noqa: F401
 from .host import HostDecoder
-from .hugepages import collapse_tensors
-from .scratch import compiled_call
+from .kernel_builds import run_batched
 from .state import StaticState
 from .step import StepModule
 from .validation import check_verify_len
@@ -23,15 +20,14 @@ from .validation import check_verify_len
 # WHY: Inductor inlines a cheap producer such as the RMSNorm into every consumer, and Inductor's
 # C++ keeps libm's errno semantics (-fmath-errno), so the norm's rsqrt stays in the innermost
 # loop, once per row per 8 weights. At one row the default fusion is as fast or faster
-# (docs/performance.md).
+# (docs/performance.md, "Compiled torch"; "Tried and not kept").
 ROW_INPUTS_STORED = {"realize_reads_threshold": 1}
 
 # Inductor option for both compiled steps: no `assert_size_stride` calls in the generated
 # Python wrapper. WHY: it re-checks, on every call, the sizes and strides of every weight and
 # state tensor a step reads (~35 per decoder layer, each a C++ call from Python); Dynamo's
-# guards check the same on a step's first call and whenever a tensor is replaced (see
-# `skip_guards`), and a step's own inputs come from `_run` in fixed shapes (what it saves:
-# docs/performance.md). A public Inductor option, not a registered accelerator.
+# guards check the same before every call, and a step's own inputs come from `_run` in fixed
+# shapes. A public Inductor option, not a registered accelerator.
 NO_SIZE_ASSERTS = {"size_asserts": False}
 
 # Inductor option for every compiled step: the C++ compiler may contract a product and the sum
@@ -65,18 +61,8 @@ class StaticDecoder(HostDecoder):
             never modified. On CPU, Inductor's check of the machine's vector ISA starts
             at once, in the background (`cpu_isa.py`).
         eos_token_id: id that ends a row in `generate`.
-        skip_guards: compile only. Once a step has run with Dynamo's guards checked, later
-            calls skip them (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`) for as
-            long as every weight and state tensor of the step is the one it was checked with
-            (same storage; a dtype or device change replaces it, and the next call is checked
-            again, as after `torch._dynamo.reset()`). WHY: the decoder fixes every input's
-            shape, dtype and strides itself, so ~1400 guards over the step's ~260 tensors can
-            never fail between two calls, and checking them is a visible share of a decode step
-            (docs/performance.md). The accelerator `skip_guards` (shram_static/accelerators.py):
-            where it is off (another torch, `SHRAM_STATIC_STOCK=1`), guards are checked. Where
-            the accelerator `direct_frame` runs too, such a call runs the step's compiled frame
-            code itself, without Dynamo's lookup (`frames.DirectFrame`).
-            False: check the guards on every call (what `fail_on_recompile` tests need).
+        skip_guards: accepted for compatibility and ignored: Dynamo checks every compiled
+            step's guards on every call.
         verify_len: tokens per row of the verify step (`verify`: the last accepted token and
             up to verify_len - 1 guesses, speculative decoding), its own compiled function;
             None: no verify step (verification then runs as prefill). Steps of at most
@@ -84,7 +70,7 @@ class StaticDecoder(HostDecoder):
             per_token_max); longer prefill chunks attend expert by expert. Compiled on CPU,
             a verify step of at most FEW_ROWS (8) tokens per row runs its projections as
             `RowLinear` row reductions; a longer one as matrix products, which made a 9-token
-            verify step cost ~3 decode steps on the built-in model (docs/performance.md).
+            verify step cost ~3 decode steps on the built-in model.
         rollback_limit: the most tokens a row can forget at once (`rollback`); the state is
             built for max(prefill_chunk, verify_len, rollback_limit) (see `state.py`).
 
@@ -126,17 +112,9 @@ class StaticDecoder(HostDecoder):
         self._row_owner = [m for m in packers for _ in m.sources]  # the packer of each weight
         self._row_weights = [w for m in packers for w in m.sources]
         self._row_stamps = _stamps(self._row_weights)
-        if compile:
-            # what a decode step streams, the packed copies and the state, onto huge pages
-            # (shram_static.hugepages); the caller's own weights are left as they are
-            collapse_tensors([*(b for m in packers for b in m.buffers(recurse=False)), *self.state.tensors()])
         self.compiled = compile
-        self.skip_guards = skip_guards and enabled("skip_guards")
-        self._direct = self.skip_guards and enabled("direct_frame")
-        self._frames: dict[str, DirectFrame | None] = {}  # step -> its frame code, called directly
-        self._tensors: list[torch.Tensor] | None = None  # every weight and state tensor of the steps
-        self._checked: dict[str, list[int]] = {}  # step -> their storages when guards last passed
-        self._held: dict[str, DirectFrame] | None = None  # inside `_steady`: steps already checked there
+        self.skip_guards = False  # Dynamo checks each step's guards on every call
+        self._held: set[str] | None = None  # inside `steady`: the steps whose weights were checked there
         if compile and p.device.type == "cpu":  # Inductor's ISA check, beside the first trace
             start_isa_checks()
         if compile:
@@ -188,56 +166,30 @@ class StaticDecoder(HostDecoder):
         args = tokens.to(d), input_pos.to(d), live.to(d)
         if not self.compiled:
             return fn(*args)
-        if self._held and key in self._held:  # checked in this `_steady` window, nothing changed since
-            return self._held[key](*args)
-        if self._row_weights:
-            stamps = _stamps(self._row_weights)
-            if stamps != self._row_stamps:
-                for m in {m for m, now, then in zip(self._row_owner, stamps, self._row_stamps) if now != then}:
-                    m.repack()
-                    collapse_tensors(m.buffers(recurse=False))
-                self._row_stamps = stamps
-                self._tensors = None  # a packed weight may be a new tensor: list them again
-        if not self.skip_guards:
-            return compiled_call(fn, *args)
-        if self._tensors is None:  # walking the module tree per call costs more than the guards
-            self._tensors = [*self.module.parameters(), *self.module.buffers()]
-        ptrs = [t.data_ptr() for t in self._tensors]  # cheap: one pointer per tensor
-        if self._checked.get(key) != ptrs:  # first call, or a tensor was replaced: check guards
-            out = compiled_call(fn, *args)
-            self._checked[key] = ptrs
-            self._frames[key] = DirectFrame.of(fn) if self._direct else None
-            return out
-        frame = self._frames.get(key)
-        if frame is not None and frame.usable():  # what the stance below runs, without its lookup
+        if self._held is None or key not in self._held:
+            self._repack_changed()
             if self._held is not None:
-                self._held[key] = frame
-            return frame(*args)
-        with _guards_skipped():
-            try:
-                return fn(*args)
-            except RuntimeError as e:
-                # WHY: after torch._dynamo.reset() (or any loss of the compiled step) Dynamo
-                # refuses to compile under the skipping stance; it raises before the frame runs,
-                # so nothing changed, and a call with the guards checked compiles the step again.
-                if "skip_guard_eval_unsafe" not in str(e):
-                    raise
-        out = compiled_call(fn, *args)
-        self._checked[key] = ptrs
-        return out
+                self._held.add(key)
+        return run_batched(fn, *args)  # a call may compile: a first call, or Dynamo's guards failed
+
+    def _repack_changed(self) -> None:
+        """Packs again the copies of every RowLinear or RowExperts one of whose weights has
+        changed since they were packed (written in place, or replaced)."""
+        if not self._row_weights:
+            return
+        stamps = _stamps(self._row_weights)
+        if stamps != self._row_stamps:
+            for m in {m for m, now, then in zip(self._row_owner, stamps, self._row_stamps) if now != then}:
+                m.repack()
+            self._row_stamps = stamps
 
     @contextlib.contextmanager
-    def _steady(self, on: bool = True):
+    def steady(self, on: bool = True):
         """Within the block (when `on`), the caller runs no code of its own user's between steps
-        (`generate` without a streamer): no weight or state tensor, stance or Dynamo setting can
-        change, so once a step has passed `_run`'s checks here and runs its frame code directly,
-        its later calls run that frame at once. WHY: the checks (each weight's version and data
-        pointer, every tensor's storage, the frame's cache entry) are host work on every call
-        that only a caller's code between calls could make necessary: 0.84x the time of 400
-        greedy tokens on the built-in model (`python benchmarks/host_costs.py`;
-        docs/performance.md, "Compiled torch")."""
+        (`generate` without a streamer): no weight can change, so each kind of step checks the
+        weights of the RowLinears and RowExperts (`_repack_changed`) once, at its first call."""
         held = self._held
-        self._held = {} if on else None
+        self._held = set() if on else None
         try:
             yield
         finally:
@@ -248,16 +200,3 @@ def _stamps(weights: list) -> list:
     """Each weight's version counter and data pointer (one list: cheaper per step than a call
     per module)."""
     return [(w._version, w.data_ptr()) for w in weights]
-
-
-def _guards_skipped():
-    """`set_stance(skip_guard_eval_unsafe=True)` in whatever stance is current.
-
-    WHY the private `_stance`: `set_stance` sets the stance and the flag together and has no
-    getter; entering "default" would silently lift a caller's `fail_on_recompile` or
-    `force_eager`. Without it (another torch), guards are simply checked."""
-    cur = getattr(torch._dynamo.eval_frame, "_stance", None)
-    if cur is None or cur.skip_guard_eval_unsafe:
-        return contextlib.nullcontext()
-    kw = {"force_backend": cur.backend} if cur.backend is not None else {}
-    return torch.compiler.set_stance(cur.stance, skip_guard_eval_unsafe=True, **kw)

@@ -1,6 +1,6 @@
-"""Entmax-1.2 by a fixed number of Newton steps on the threshold (SPEC A.6).
+"""Entmax-1.2 by a fixed number of Newton steps on the threshold (docs/design.md, "Routing").
 
-SPEC A.6 defines the scores by bisection: p_i = max(x_i - tau, 0)^5 with x = 0.2 z and tau
+docs/design.md ("Routing") defines the scores by bisection: p_i = max(x_i - tau, 0)^5 with x = 0.2 z and tau
 the root of f(tau) = sum_i p_i = 1. The solve scales x by L^(1/5), so that the root is where
 the mean of c^5 (c = max(x - tau, 0)) is 1, and runs Newton's method on g = mean(c^5)^(1/4)
 = 1 rather than on f itself. g is convex and decreasing in tau (a 5-norm of c, convex in tau,

@@ -105,7 +105,7 @@ class RowExperts(BEA):
     weights. WHY: `BEA.project`'s einsum becomes a batched matmul over K*u columns, and Inductor
     loads each vector of it lane by lane (an index divided and taken modulo u per lane): 19% of
     the built-in model's verify step's samples (benchmarks/kernel_loops.py --step verify, 7%
-    with this layout; docs/performance.md). Everything else is `BEA`'s.
+    with this layout; docs/performance.md, "Compiled torch"). Everything else is `BEA`'s.
 
     The copy does not follow the weights by itself: `repack()` after one changed
     (`StaticDecoder` checks before each step).
@@ -189,7 +189,7 @@ class FusedExperts(nn.Module):
     single weight read in an XNNPACK delegate, and a token's K results are picked from its small
     output. It is faster at decode and prefill, fp32 and int8 (its two nn.Linear layers are
     quantized like every other projection), though it reads L/K times the expert bytes
-    (docs/performance.md).
+    (docs/performance.md, "`.pte`").
 
     Args:
         bea: the `BEA` whose weights it takes (copied into the fused layout; not kept).

@@ -22,7 +22,8 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from .cache import DEFAULT_PREFILL_CHUNK, ShramCache
 from .cpu_isa import start_isa_checks
-from .scratch import compiled_call
+from .kernel_builds import run_batched
+from .rows import canonical
 from .validation import check_capacity
 
 
@@ -38,17 +39,14 @@ def default_compile_config() -> CompileConfig:
 
 
 def _new_token_mask(attention_mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
-    """(B, n) bool live flags of the n new columns, as a fresh tensor with canonical strides.
-
-    WHY: the compiled decode forward guards on input strides; a (B, 1) slice of the growing
-    mask keeps its parent's row stride (and `.contiguous()` is a no-op for it when B == 1), so
-    passing it would recompile at every step. A missing mask becomes all True, so calls with
+    """(B, n) bool live flags of the n new columns, with canonical strides (`rows.canonical`:
+    the compiled decode forward guards on them). A missing mask becomes all True, so calls with
     and without a mask share one graph.
     """
     n = ids.shape[1]
     if attention_mask is None:
         return torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
-    return attention_mask[:, -n:].to(torch.bool).clone(memory_format=torch.contiguous_format)
+    return canonical(attention_mask[:, -n:].to(torch.bool))
 
 
 class ShramGenerationMixin(GenerationMixin):
@@ -77,10 +75,9 @@ class ShramGenerationMixin(GenerationMixin):
 
     def get_compiled_call(self, compile_config):
         """transformers' `torch.compile` of the forward (`PreTrainedModel.get_compiled_call`), each
-        call run by `scratch.compiled_call` (kernels built in batches, the wrapper's scratch made
-        once), with Inductor's vector-ISA check started beside the first trace
+        call run by `kernel_builds.run_batched` (kernels built in batches), with Inductor's vector-ISA check started beside the first trace
         on CPU, as `StaticDecoder(compile=True)` does (a cold first compiled
-        `generate()` builds its kernels in far less time: docs/performance.md, "Warm-up").
+        `generate()` builds its kernels in far less time: docs/performance.md, "Warm-up and export").
 
         Args:
             compile_config: `CompileConfig` or None (transformers' default handling).
@@ -95,7 +92,7 @@ class ShramGenerationMixin(GenerationMixin):
             start_isa_checks()
         held = self.__dict__.get("_batched_call")  # one wrapper per compiled function
         if held is None or held.args[0] is not compiled:
-            held = self.__dict__["_batched_call"] = functools.partial(compiled_call, compiled)
+            held = self.__dict__["_batched_call"] = functools.partial(run_batched, compiled)
         return held
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None,

@@ -1,19 +1,23 @@
 """Host-side decoding API shared by every backend (eager/compiled torch, ExecuTorch, ONNX).
 
 `HostDecoder` owns everything that happens on the host: input validation (before anything
-runs, so a bad call leaves the state exactly as it was), the live-token count of each row,
-splitting prompts into fixed-size chunks, and sampling. A backend implements only
+runs, so a bad call leaves the state exactly as it was), the live-token and rollback counts of
+each row, splitting prompts into fixed-size chunks, and sampling. A backend implements only
 `_run(tokens, input_pos, live)` for C = 1 (decode) and C = prefill_chunk (prefill), and
-optionally `_run_last` (a chunk's logits at each row's last live token only).
+optionally `_run_last` (a chunk's logits at each row's last live token only). Its public
+methods are the whole contract other modules use (docs/design.md, "The decoder contract").
 """
 
 import contextlib
+import time
 
 import numpy as np
 import torch
 
 from .config import ShramConfig
 from .errors import CapacityError, NonFiniteLogitsError
+from .rows import RowCounts, canonical, padded_chunks
+from .step import last_live
 from .sampling import Sampler
 from .validation import check_capacity, check_input_ids, check_mask
 
@@ -46,23 +50,6 @@ def _check_finite(logits: torch.Tensor, live: torch.Tensor) -> None:
             f"activations in this dtype) are not finite; nothing was sampled", rows, logits)
 
 
-def _canonical(t: torch.Tensor) -> torch.Tensor:
-    """t itself if it starts its storage with the contiguous strides for its shape, else a
-    contiguous copy.
-
-    WHY: a compiled step guards on its inputs' strides (and Inductor checks their alignment),
-    and a column slice of a one-row prompt keeps the parent's row stride (`.contiguous()` is a
-    no-op for it), which made every prefill call recompile; a copy of an input already laid out
-    so is a torch op per input and step."""
-    want, n = [], 1
-    for size in reversed(t.shape):
-        want.append(n)
-        n *= size
-    if t.storage_offset() == 0 and t.stride() == tuple(reversed(want)):
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
 class HostDecoder:
     """Public decoding API over a fixed-shape step backend.
 
@@ -84,7 +71,7 @@ class HostDecoder:
         self.prefill_chunk = prefill_chunk
         self.capacity = config.inference_sequence_length
         self.eos_token_id = eos_token_id
-        self._count = torch.zeros(batch_size, dtype=torch.long)  # live tokens per row
+        self._counts = RowCounts(batch_size)  # live tokens per row, tokens each row can forget now
         # Rollback (a backend sets both after this): the most tokens a row can forget at once
         # (0: none), and the verify step's tokens per row (None: verify runs as prefill).
         self.rollback_limit = 0
@@ -92,7 +79,8 @@ class HostDecoder:
         # False: the prefill step returns each row's last live token's logits only (an export
         # written without full_logits); prefill and step then run with last_only alone.
         self.full_logits = True
-        self._undo = torch.zeros(batch_size, dtype=torch.long)  # tokens each row can forget now
+        self._feed_times: list | None = None  # inside `timed_feeds`: (n, seconds) per `feed`
+        self._feed_clock = time.perf_counter
 
     # -- backend hooks --------------------------------------------------------------
     def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
@@ -105,8 +93,7 @@ class HostDecoder:
         row without one). A backend with a step that computes only those overrides it; this one
         selects them from `_run`'s."""
         lg = self._run(tokens, input_pos, live)  # (B, C, V)
-        at = (torch.arange(tokens.shape[1]) * live.cpu()).amax(1)  # (B,)
-        return lg[torch.arange(tokens.shape[0]), at.to(lg.device)][:, None]
+        return lg[torch.arange(tokens.shape[0]), last_live(live.cpu()).to(lg.device)][:, None]
 
     def _reset_state(self) -> None:
         """Optional: clear backend buffers (never needed for correctness)."""
@@ -115,12 +102,11 @@ class HostDecoder:
     @property
     def live_counts(self) -> torch.Tensor:
         """(B,) live tokens each row holds."""
-        return self._count.clone()
+        return self._counts.live.clone()
 
     def reset(self) -> None:
         """Starts every row afresh (position 0)."""
-        self._count.zero_()
-        self._undo.zero_()
+        self._counts.reset()
         self._reset_state()
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -152,12 +138,10 @@ class HostDecoder:
         self._check_capacity(live.long().sum(1))
         B, N = ids.shape
         C, V = self.prefill_chunk, self.config.vocab_size
-        pad = (-N) % C
-        ids = torch.nn.functional.pad(ids, (0, pad))
-        live = torch.nn.functional.pad(live, (0, pad))
+        ids, live, starts = padded_chunks(ids, live, C)
         out = []
         last = torch.zeros(B, V)  # (B, V) logits at each row's last live token so far
-        for c0 in range(0, N + pad, C):
+        for c0 in starts:
             lc = live[:, c0:c0 + C]
             if not bool(lc.any()):  # a chunk of padding only changes nothing
                 if not last_only:
@@ -188,7 +172,7 @@ class HostDecoder:
         live = check_mask(active, ids.shape, "active")
         live = torch.ones(self.batch_size, dtype=torch.bool) if live is None else live.cpu()
         self._check_capacity(live.long())
-        return self._feed(ids.long().cpu()[:, None], live[:, None])[:, 0]
+        return self.feed(ids.long().cpu()[:, None], live[:, None])[:, 0]
 
     # -- rollback and verification (speculative decoding) ----------------------------
     def rollback(self, n) -> None:
@@ -223,18 +207,18 @@ class HostDecoder:
             b = over[0]
             if not self.rollback_limit:
                 why = "this decoder cannot roll back (an export written without rollback support: re-export it)"
-            elif can[b] == int(self._count[b]):
-                why = f"it holds {int(self._count[b])} tokens"
+            elif can[b] == int(self._counts.live[b]):
+                why = f"it holds {int(self._counts.live[b])} tokens"
             else:
                 why = (f"it can forget at most {int(can[b])} now (this decoder keeps the last "
                        f"rollback_limit={self.rollback_limit} fed tokens, fewer since a rollback)")
             raise ValueError(f"cannot roll back {int(t[b])} tokens of row {b}: {why}")
-        self._forget(t)
+        self.forget(t)
 
     @property
     def rollbackable(self) -> torch.Tensor:
         """(B,) the most tokens each row can forget now (`rollback`)."""
-        return torch.minimum(self._undo, self._count)
+        return self._counts.rollbackable
 
     def verify(self, ids: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
         """Feeds n <= `verify_len` tokens per row in one fixed-shape step (n = k + 1: the last
@@ -263,33 +247,60 @@ class HostDecoder:
             return self.prefill(ids, active)
         ids, live = self._check_prompt(ids, active)
         self._check_capacity(live.long().sum(1))
-        return self._feed(ids, live)
+        return self.feed(ids, live)
 
-    def _feed(self, ids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """`decode` (n = 1) or `verify` (1 < n <= verify_len) of tokens already checked: ids
-        (B, n) int64 in the vocabulary, live (B, n) bool, within capacity. Returns (B, n, V) float.
+    # -- the unchecked contract (speculative decoding, generation loops, benchmarks) ----
+    def feed(self, ids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """`decode` (n = 1) or `verify` (1 < n <= verify_len) of tokens the caller vouches for,
+        without the public methods' input checks.
 
-        WHY unchecked: `generate`'s loops feed tokens they picked themselves from logits, within
-        the capacity `generate` checked up front; the public methods' checks (a dozen small
-        torch ops, each 3-8 us here) would cost about a tenth of a small model's step."""
+        For a loop that feeds back tokens it picked from this decoder's own logits, within a
+        capacity it checked up front (`generate`, `speculative.py`). WHY unchecked: the
+        public methods' checks (a dozen small torch ops, each 3-8 us) cost about a tenth of a
+        small model's step.
+
+        Args:
+            ids: (B, n) int64 token ids in the vocabulary, on the CPU.
+            live: (B, n) bool, which tokens are live; every row stays within capacity.
+
+        Returns:
+            (B, n, V) float logits (unspecified at dead tokens).
+        """
         n = ids.shape[1]
         if 1 < n < self.verify_len:  # the verify step's fixed shape: pad with dead tokens
             pad = self.verify_len - n
             ids, live = torch.nn.functional.pad(ids, (0, pad)), torch.nn.functional.pad(live, (0, pad))
-        lg = self._call(ids, live)
+        if self._feed_times is None:
+            lg = self._call(ids, live)
+        else:
+            t0 = self._feed_clock()
+            lg = self._call(ids, live)
+            self._feed_times.append((n, self._feed_clock() - t0))
         return (lg if lg.shape[1] == n else lg[:, :n]).float().cpu()
 
-    def _steady(self, on: bool = True):
-        """A context in which the caller runs none of its user's code between steps; a backend
-        may then skip per-call checks that only such code could make necessary (`StaticDecoder`).
-        Here: nothing."""
+    def forget(self, n: torch.Tensor) -> None:
+        """`rollback` without its checks: n (B,) int64 tokens per row, each at most what the row
+        can forget now (`rollbackable`), e.g. the rejected guesses of the verify step just run."""
+        self._counts.forget(n)
+
+    def steady(self, on: bool = True):
+        """A context within which (when `on`) the caller runs none of its user's code between
+        steps (`generate` without a streamer): nothing but this decoder's own steps can change
+        a weight, so a backend may skip per-call checks that only such code makes necessary
+        (`StaticDecoder` checks its packed weights once per kind of step). Here: nothing."""
         return contextlib.nullcontext()
 
-    def _forget(self, n: torch.Tensor) -> None:
-        """`rollback` of n (B,) int64 tokens per row already known to be forgettable (checked
-        there; `generate` forgets only the rejected guesses of the verify step just run)."""
-        self._count -= n
-        self._undo -= n
+    @contextlib.contextmanager
+    def timed_feeds(self, clock=time.perf_counter):
+        """Within the block, records every `feed` (what `generate`'s loops run after the
+        prompt) as (tokens per row, seconds by `clock`); yields the list it appends to.
+        What `shram-static bench-speculative` splits a generation's time with."""
+        before = self._feed_times, self._feed_clock
+        self._feed_times, self._feed_clock = [], clock
+        try:
+            yield self._feed_times
+        finally:
+            self._feed_times, self._feed_clock = before
 
     # -- per-row lifecycle (continuous batching) --------------------------------------
     def reset_rows(self, rows) -> None:
@@ -311,8 +322,7 @@ class HostDecoder:
             raise TypeError(f"rows must be an int or a sequence of ints, got {rows!r}")
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.batch_size):
             raise ValueError(f"rows must be in [0, {self.batch_size}), got {idx.tolist()}")
-        self._count[idx.long()] = 0
-        self._undo[idx.long()] = 0  # as `reset`: nothing of the new sequence to forget yet
+        self._counts.reset(idx.long())  # as `reset`: nothing of the new sequence to forget yet
 
     def step(self, input_ids: torch.Tensor, live: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
         """Runs one fixed-shape step: each row advances by its own number of live tokens.
@@ -426,7 +436,7 @@ class HostDecoder:
             return speculative_generate(self, ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer,
                                         k, draft)
         # a streamer is the caller's code between steps: every step is checked then
-        with self._steady(streamer is None):
+        with self.steady(streamer is None):
             return self._generate(ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer)
 
     def _generate(self, ids, live, max_new_tokens: int, sample: bool, warp, gen, eos, pad, streamer) -> torch.Tensor:
@@ -457,7 +467,7 @@ class HostDecoder:
                 break
             feed.numpy()[:, 0] = np.where(done, 0, nxt)
             feed_live.numpy()[:, 0] = ~done
-            logits = self._feed(feed, feed_live)[:, 0]
+            logits = self.feed(feed, feed_live)[:, 0]
         if streamer is not None:
             streamer.end()
         return torch.from_numpy(out)
@@ -467,16 +477,8 @@ class HostDecoder:
         tokens, advances both counters by the live tokens, then checks the logits (which the
         step has produced either way: its state holds the tokens). Returns `_run`'s logits (or
         `_run_last`'s with `last_only`)."""
-        out = (self._run_last if last_only else self._run)(_canonical(tokens), _canonical(self._count),
-                                                           _canonical(live))
-        # In place through numpy's views of the counters: a torch op on a (B,) tensor costs
-        # several times a numpy one, and this runs after every step.
-        fed = live.numpy().sum(1)  # (B,) live tokens each row took
-        count, undo = self._count.numpy(), self._undo.numpy()
-        count += fed
-        # A fed token can be forgotten until rollback_limit later ones have been fed (the ring
-        # and the routing history keep the last rollback_limit tokens beyond what a step needs).
-        np.minimum(undo + fed, self.rollback_limit, out=undo)
+        out = (self._run_last if last_only else self._run)(canonical(tokens), self._counts.live, canonical(live))
+        self._counts.fed(live.sum(1), self.rollback_limit)
         _check_finite(out, live.any(1, keepdim=True) if last_only else live)
         return out
 
@@ -503,5 +505,5 @@ class HostDecoder:
         return input_ids.long().cpu(), live
 
     def _check_capacity(self, n_new: torch.Tensor) -> None:
-        check_capacity(self._count + n_new, self.capacity,
+        check_capacity(self._counts.live + n_new, self.capacity,
                        advice="call reset() or build the model with a larger inference_sequence_length")

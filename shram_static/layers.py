@@ -1,4 +1,4 @@
-"""Parameter-holding modules of one SHRAM decoder layer, named as in the checkpoint (SPEC A.2).
+"""Parameter-holding modules of one SHRAM decoder layer, named as in the checkpoint (docs/design.md, "Checkpoint layout").
 
 They hold weights and the position-free math (norms, projections, MLP, the selected experts'
 projections). Attention over a sequence lives in `model.py` (uncached forward) and `step.py`
@@ -21,7 +21,7 @@ def gather_experts(w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
     One 1-D index_select over the leading dim, not `w[idx]`: ExecuTorch runs the latter as an
     element-wise portable index.Tensor, the former as a copy of K contiguous (a, b) blocks, far
-    faster (docs/performance.md).
+    faster (docs/performance.md, "`.pte`").
     """
     return w.index_select(0, idx.reshape(-1)).view(*idx.shape, *w.shape[1:])
 

@@ -1,4 +1,4 @@
-"""`ShramForCausalLM`: SHRAM weights and the uncached full forward (SPEC A.3-A.7)."""
+"""`ShramForCausalLM`: SHRAM weights and the uncached full forward (docs/design.md, "What SHRAM computes")."""
 
 import math
 from dataclasses import dataclass
@@ -85,7 +85,7 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
         if self.lm_head is not None:
             return self.lm_head(h)
         # F.linear, not `x @ W.t()`: ExecuTorch delegates linear to XNNPACK but leaves a
-        # transposed mm on portable kernels, several times slower (docs/performance.md), and
+        # transposed mm on portable kernels, several times slower (docs/performance.md, "`.pte`"), and
         # torchao's int8 flow quantizes only linear.
         return F.linear(h, self.embed_tokens.weight)
 

@@ -7,17 +7,12 @@ import time
 import torch
 from torch import nn
 
-from .hugepages import collapse_tensors
 from .layers import BEA
 
 
 def bandwidth_buffer() -> torch.Tensor:
-    """A 1 GiB fp32 buffer for `measure_bandwidth`, larger than any cache, on huge pages as the
-    decoders' weights are (`shram_static.hugepages`): the floor is what the memory delivers to
-    a step, not what the TLB misses of 4 KiB pages leave of it (those read 5-12% less here)."""
-    x = torch.ones(2**28)
-    collapse_tensors([x])
-    return x
+    """A 1 GiB fp32 buffer for `measure_bandwidth`, larger than any cache."""
+    return torch.ones(2**28)
 
 
 def measure_bandwidth(x: torch.Tensor | None = None, reps: int = 5) -> float:

@@ -1,4 +1,4 @@
-"""Rotary position embeddings: plain RoPE for the local path, YaRN for the sparse path (SPEC A.7)."""
+"""Rotary position embeddings: plain RoPE for the local path, YaRN for the sparse path (docs/design.md, "RoPE and YaRN")."""
 
 import math
 
@@ -15,7 +15,7 @@ def rope_frequencies(head_dim: int, base: float) -> torch.Tensor:
 
 def yarn_frequencies(head_dim: int, base: float, train_range: float, s: float,
                      alpha: float, beta: float) -> torch.Tensor:
-    """YaRN-interpolated frequencies theta'_i (SPEC A.7).
+    """YaRN-interpolated frequencies theta'_i (docs/design.md, "RoPE and YaRN").
 
     Args:
         head_dim: u.
@@ -90,7 +90,7 @@ class RotaryTables(nn.Module):
         self.length = n
 
     def _apply(self, fn, recurse=True):
-        # Keep the tables fp32 when the model is cast to bf16/fp16 (SPEC A.7); moves still apply.
+        # Keep the tables fp32 when the model is cast to bf16/fp16 (docs/design.md, "RoPE and YaRN"); moves still apply.
         super()._apply(fn, recurse)
         for name in ("local_cos", "local_sin", "sparse_cos", "sparse_sin"):
             setattr(self, name, getattr(self, name).float())

@@ -1,4 +1,4 @@
-"""MoSRAH routing: entmax scores and block-balanced top-K selection (SPEC A.6).
+"""MoSRAH routing: entmax scores and block-balanced top-K selection (docs/design.md, "Routing").
 
 One solver serves the uncached forward (a whole sequence from position 0), the prefill step
 (a chunk that may start mid-block, carrying the experts already taken) and the decode step

@@ -29,7 +29,7 @@ from .sampling import draw
 # What a verify step of up to 5 tokens costs, in decode steps, for the gate that decides whether
 # prompt-lookup guesses are worth verifying: a round must keep VERIFY_COST - 1 guesses on
 # average to beat plain decoding. A constant, not a timing, so that seeded sampling stays
-# reproducible; `shram-static bench-speculative` measures the ratio (docs/performance.md).
+# reproducible; `shram-static bench-speculative` measures the ratio (docs/performance.md, "Speculative decoding").
 VERIFY_COST = 1.5
 PROBE_EVERY = 2  # a gated-off prompt lookup still verifies one round in this many
 # The n-grams prompt lookup matches: the longest match up to LOOKUP_NGRAMS[0] tokens, none
@@ -134,10 +134,10 @@ def _feed_last(dec, toks: list[list[int]]) -> torch.Tensor:
 
 def _step(dec, ids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     """Feeds tokens this loop picked, ids (B, n) with live (B, n), in one step: (B, n, V) logits.
-    `HostDecoder._feed` skips the public methods' input checks (ids from the model's own
+    `HostDecoder.feed` skips the public methods' input checks (ids from the model's own
     logits, capacity checked by `generate`); more tokens than a verify step takes go to prefill."""
     if ids.shape[1] == 1 or ids.shape[1] <= (dec.verify_len or 0):
-        return dec._feed(ids, live)
+        return dec.feed(ids, live)
     return dec.prefill(ids, live)
 
 
@@ -160,18 +160,18 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
         (B, max_new_tokens) int64 new tokens.
     """
     # Without a streamer none of the caller's code runs between steps: each decoder checks
-    # each kind of step once (`StaticDecoder._steady`); a streamer's `put` may change anything.
+    # each kind of step once (`HostDecoder.steady`); a streamer's `put` may change anything.
     with contextlib.ExitStack() as steady:
         for d in (dec, draft):
             if d is not None:
-                steady.enter_context(d._steady(streamer is None))
+                steady.enter_context(d.steady(streamer is None))
         return _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer, speculate,
                           draft, stats)
 
 
 def _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer, speculate, draft,
                stats) -> torch.Tensor:
-    """`speculative_generate`'s loop, inside its decoders' `_steady` windows."""
+    """`speculative_generate`'s loop, inside its decoders' `steady` windows."""
     B = dec.batch_size
     kmax = min(speculate, (dec.verify_len or dec.prefill_chunk) - 1, dec.rollback_limit)
     if draft is not None:
@@ -282,10 +282,10 @@ def _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, stre
             emit(b, toks)
         # each row forgets no more than the guesses it was just fed (<= k <= rollback_limit)
         if any(back):
-            dec._forget(torch.tensor(back))
+            dec.forget(torch.tensor(back))
         if draft is not None:
             if any(draft_back):
-                draft._forget(torch.tensor(draft_back))
+                draft.forget(torch.tensor(draft_back))
             k = min(kmax, k + 2) if kept_all else max(1, k - 1)
         else:
             tried = [b for b in range(B) if drafts[b]]

@@ -1,4 +1,4 @@
-"""Fixed-shape decoding state (SPEC B): every buffer allocated once, before any step runs.
+"""Fixed-shape decoding state (docs/design.md, "The static state"): every buffer allocated once, before any step runs.
 
 Per layer, with Nr the rollback limit (`rollback_limit`, at least prefill_chunk):
 - `routes` `(B*(N+1), K)` int64, N = Nr + W - 1 (W = L // K tokens per routing block): the
@@ -126,7 +126,7 @@ class StaticState(nn.Module):
 
 def state_bytes(config: ShramConfig, batch_size: int, prefill_chunk: int, itemsize: int = 4,
                 rollback_limit: int | None = None) -> int:
-    """Closed-form state size (SPEC B): per layer a routing history of B*(N+1)*K int64
+    """Closed-form state size (docs/design.md, "The static state"): per layer a routing history of B*(N+1)*K int64
     (N = Nr + W - 1), a local ring 2*B*H*(window+Nr)*u and a sparse cache
     2*B*L*(mosrah_cache_length+1)*u elements, Nr = max(prefill_chunk, rollback_limit)."""
     B, H, L, u = batch_size, config.num_sliding_window_heads, config.num_mosrah_heads, config.head_dim

@@ -1,4 +1,4 @@
-"""The static step: C tokens per row over fixed-shape state (SPEC B).
+"""The static step: C tokens per row over fixed-shape state (docs/design.md, "The step").
 
 `step` is the single code path of both the decode step (C = 1) and the prefill step
 (C = prefill_chunk). It has no Python branch on tensor data, no host read-back, no
@@ -164,9 +164,14 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
         new_state += new if not inplace else list(st)
         routing.append(idx)
     if last_only:
-        at = (torch.arange(C, device=dev) * live).amax(1)  # (B,) each row's last live token, 0 if none
+        at = last_live(live)  # (B,)
         x = x.gather(1, at[:, None, None].expand(B, 1, x.shape[-1]))  # (B, 1, d)
     return model.logits(x), new_state, torch.stack(routing)
+
+
+def last_live(live: torch.Tensor) -> torch.Tensor:
+    """(B,) the column of each row's last live token in live (B, C) (0 for a row without one)."""
+    return (torch.arange(live.shape[1], device=live.device) * live).amax(1)
 
 
 def _layer_step(layer, rope, x: torch.Tensor, *flat):

@@ -101,7 +101,7 @@ def random_model(seed: int, **overrides) -> ShramForCausalLM:
     return randomize_(ShramForCausalLM(random_config(seed, **overrides)), seed).eval()
 
 
-# The config of the batch-1 compiled-decoder tests (test_scratch.py, test_compiled_decoder.py):
+# The config of the batch-1 compiled-decoder tests (test_compiled_decoder.py):
 # their steps are the same graphs whatever the weights, so Inductor compiles them once and later
 # tests load them from its cache. WHY: with a cold cache (a fresh CI machine) each config's
 # prefill, decode and verify steps cost ~30 s of the suite.
@@ -143,7 +143,7 @@ def golden_case(name: str) -> tuple[ShramForCausalLM, dict]:
 
 
 def oracle_cfg(config: ShramConfig) -> dict:
-    """The plain dict tests/oracle.py reads (SPEC A.1 fields only)."""
+    """The plain dict tests/oracle.py reads (the fields of docs/design.md, "Config", only)."""
     return {k: getattr(config, k) for k in CONFIG_DEFAULTS}
 
 

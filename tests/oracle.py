@@ -1,10 +1,10 @@
-"""Slow, deliberately plain REFERENCE implementation of the SHRAM forward (SPEC part A).
+"""Slow, deliberately plain REFERENCE implementation of the SHRAM forward (docs/design.md, "What SHRAM computes").
 
 Used only by the tests as an oracle. It is independent of the ``shram_static`` package: it
 imports only torch, math, json and safetensors. Everything is computed in float64 with plain
 Python loops over rows, tokens and heads, trading speed for obviousness.
 
-Semantics (SPEC A, confirmed against the golden cases in tests/data):
+Semantics (docs/design.md, "What SHRAM computes", confirmed against the golden cases in tests/data):
   * Each row is processed on its own, on its live tokens only (padding is a no-op, A.4).
     The position of a live token is the number of live tokens before it in its row.
   * Local path: H heads of width u, default RoPE (local_rope_theta) at the token position,
@@ -55,7 +55,7 @@ CONFIG_DEFAULTS = {
 # ----------------------------------------------------------------------------------------
 
 def load_checkpoint(dirpath):
-    """Return (config dict with SPEC A.1 defaults filled in, state dict as float64)."""
+    """Return (config dict with the defaults of docs/design.md, "Config", filled in, state dict as float64)."""
     with open(os.path.join(dirpath, "config.json")) as f:
         raw = json.load(f)
     cfg = dict(CONFIG_DEFAULTS)
@@ -82,7 +82,7 @@ def default_rope_freqs(u, base):
 
 
 def yarn_rope_freqs(u, base, s, C, alpha, beta):
-    """YaRN-adjusted frequencies (SPEC A.7)."""
+    """YaRN-adjusted frequencies (docs/design.md, "RoPE and YaRN")."""
     out = []
     for theta in default_rope_freqs(u, base):
         r = C * theta / (2.0 * math.pi)
@@ -112,7 +112,7 @@ def attend(q, keys, values, scale):
 
 
 def entmax_bisect_12(z):
-    """entmax with alpha = 1.2 by bisection, exactly as SPEC A.6; z is a list of floats.
+    """entmax with alpha = 1.2 by bisection, exactly as docs/design.md, "Routing"; z is a list of floats.
 
     p_i(tau) = max(0.2*z_i - tau, 0) ** 5.  50 halvings; the result is the p of the last
     tau_m, divided by its sum.

@@ -40,9 +40,9 @@ def test_unverified_release_runs_the_stock_path_with_one_debug_line(fresh, caplo
     real = accelerators.installed_version
     fresh.setattr(accelerators, "installed_version", lambda d: "2.99.0" if d == "torch" else real(d))
     caplog.set_level(logging.DEBUG, logger="shram_static.accelerators")
-    assert not enabled("skip_guards") and not enabled("skip_guards")
+    assert not enabled("batched_kernel_builds") and not enabled("batched_kernel_builds")
     assert enabled("cached_type_hints") == (real("executorch") in accelerators.EXECUTORCH)  # no torch in it
-    lines = [r for r in caplog.records if "skip_guards" in r.getMessage()]
+    lines = [r for r in caplog.records if "batched_kernel_builds" in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.DEBUG
     assert "torch 2.99.0" in lines[0].getMessage() and "stock path" in lines[0].getMessage()
 
@@ -151,15 +151,3 @@ def test_stock_lowering_writes_the_same_program_and_tokens(tmp_path, caplog):
     assert err <= 1e-3 and torch.equal(tokens, g["greedy_tokens"])
     get = lambda m: dec._program.load_method(m).execute([])  # noqa: E731
     assert get("get_eos_ids") == [] and get("get_bos_id") == [-1] and get("get_max_batch_size") == [B]
-
-
-def test_stock_switch_reaches_the_decoder(fresh):
-    """Under SHRAM_STATIC_STOCK a compiled decoder checks Dynamo's guards on every call."""
-    from helpers import random_model
-    from shram_static import StaticDecoder
-
-    model = random_model(2, num_decoder_layers=1)
-    fresh.setenv(STOCK_ENV, "skip_guards")
-    assert StaticDecoder(model, compile=True).skip_guards is False  # nothing compiles until a step runs
-    fresh.delenv(STOCK_ENV)
-    assert StaticDecoder(model, compile=True).skip_guards is enabled("skip_guards")

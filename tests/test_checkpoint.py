@@ -1,4 +1,4 @@
-"""Checkpoint directories (SPEC A.2): round trips, the original key layout, bf16/fp16 files and
+"""Checkpoint directories (docs/design.md, "Checkpoint layout"): round trips, the original key layout, bf16/fp16 files and
 every way a directory can be broken."""
 
 import json

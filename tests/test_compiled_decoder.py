@@ -1,7 +1,7 @@
 """The compiled StaticDecoder's own fast paths and host checks, against plain math: `RowLinear`
 and `RowExperts` (values, repacking after a weight changed), the top-k as ranks, a compiled
-decoder following weight changes and never altering the caller's model, and the frame code run
-once its checks passed (`frames.DirectFrame`, `_steady`)."""
+decoder following weight changes and never altering the caller's model, and its weights checked
+once per kind of step inside `generate` (`steady`)."""
 
 import pytest
 import torch
@@ -200,57 +200,10 @@ def test_decoders_never_alter_the_model(tied):
     torch.testing.assert_close(lb, want, atol=TOL, rtol=0)
 
 
-def _profiled(fn) -> set[str]:
-    """The names of the profiler events a call of fn records."""
-    with torch.profiler.profile() as prof:
-        fn()
-    return {e.name for e in prof.events()}
-
-
-def test_compiled_steps_run_their_frame_code_once_checked(monkeypatch):
-    """Once a compiled step has run with Dynamo's guards checked, the decoder calls the step's
-    compiled frame code itself (`frames.DirectFrame`, accelerator `direct_frame`): no Dynamo
-    frame evaluation in a decode or verify step, and the logits of the uncached forward. Dynamo
-    runs the call again under `force_eager` (no compiled graph then), after
-    `torch._dynamo.reset()` (the step compiles again) and with the accelerator turned off."""
-    model = compiled_test_model(13)
-    ids = torch.randint(0, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(13))
-    with torch.no_grad():
-        want = model(ids).logits
-    # Dynamo's frame evaluation records these (a lookup, a compiled region)
-    dynamo = lambda events: any(e == "TorchDynamo Cache Lookup" or e.startswith("Torch-Compiled Region")  # noqa: E731
-                                for e in events)
-    dec = StaticDecoder(model, compile=True)
-    dec.prefill(ids[:, :4])
-    torch.testing.assert_close(dec.decode(ids[:, 4]), want[:, 4], atol=TOL, rtol=0)  # guards checked
-    events = _profiled(lambda: torch.testing.assert_close(dec.decode(ids[:, 5]), want[:, 5], atol=TOL, rtol=0))
-    assert not dynamo(events) and any("CompiledFxGraph" in e for e in events)
-    torch.testing.assert_close(dec.verify(ids[:, 6:9]), want[:, 6:9], atol=TOL, rtol=0)
-    dec.rollback(3)
-    events = _profiled(lambda: torch.testing.assert_close(dec.verify(ids[:, 6:9]), want[:, 6:9], atol=TOL, rtol=0))
-    assert not dynamo(events) and any("CompiledFxGraph" in e for e in events)
-    dec.rollback(3)
-    with torch.compiler.set_stance("force_eager"):
-        events = _profiled(lambda: torch.testing.assert_close(dec.verify(ids[:, 6:9]), want[:, 6:9],
-                                                              atol=TOL, rtol=0))
-    assert not any("CompiledFxGraph" in e for e in events)
-    dec.rollback(3)
-    torch._dynamo.reset()
-    events = _profiled(lambda: torch.testing.assert_close(dec.verify(ids[:, 6:9]), want[:, 6:9], atol=TOL, rtol=0))
-    assert dynamo(events)  # the frame code of the cleared cache is not called: the step compiles again
-    monkeypatch.setenv("SHRAM_STATIC_STOCK", "direct_frame")
-    stock = StaticDecoder(model, compile=True)
-    stock.prefill(ids[:, :4])
-    stock.decode(ids[:, 4])
-    events = _profiled(lambda: torch.testing.assert_close(stock.decode(ids[:, 5]), want[:, 5], atol=TOL, rtol=0))
-    assert dynamo(events)
-
-
-def test_two_compiled_decoders_interleaved_run_their_own_frames():
+def test_two_compiled_decoders_interleaved_run_their_own_graphs():
     """Two compiled decoders of different configs in one process (their steps share code
-    objects, so Dynamo caches an entry per decoder), called in turn once their guards have
-    passed: each step runs its own decoder's compiled frame (`frames.DirectFrame`), with that
-    model's logits."""
+    objects, so Dynamo caches an entry per decoder), called in turn: each step runs its own
+    decoder's compiled graph, with that model's logits."""
     # the first: the config (and decode graph) of the tests above
     models = [compiled_test_model(14), randomize_(ShramForCausalLM(random_config(15, num_decoder_layers=1)), 15).eval()]
     assert models[0].config.to_dict() != models[1].config.to_dict()
@@ -261,35 +214,6 @@ def test_two_compiled_decoders_interleaved_run_their_own_frames():
     for t in range(9):  # decode steps only: one compile per decoder
         for d, i, w in zip(decs, ids, want):
             torch.testing.assert_close(d.decode(i[:, t]), w[:, t], atol=TOL, rtol=0)
-
-
-def test_in_situ_host_cost_splits_each_step_into_kernels_and_the_rest():
-    """`benchmarks/host_costs.py --in-situ` times the compiled decode step's Inductor kernels from
-    inside: each loop's time outside them is a part of the step, neither nothing nor all of it
-    (kernels found and timed); the kernels are put back as they were and the decoder decodes
-    as before."""
-    from torch._inductor.codecache import PyCodeCache
-
-    from helpers import load_benchmark
-
-    def kernels():
-        return {(id(m), k): v for m in PyCodeCache.modules for k, v in vars(m).items() if k.startswith("cpp_fused")}
-
-    bench = load_benchmark("host_costs")
-    model = compiled_test_model(16)
-    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(16))
-    dec = StaticDecoder(model, compile=True)
-    dec.prefill(ids[:, :4])
-    dec.decode(ids[:, 4])  # compiled, guards checked
-    want = dec.decode(ids[:, 5])
-    dec.rollback(1)
-    before = kernels()
-    times = bench.in_situ(dec, ids[:, 5:6], torch.ones(1, 1, dtype=torch.bool), rounds=2, steps=3)
-    assert list(times) == ["decode (public, checked)", "_run (checks + frame)", "frame code alone",
-                           "_run in a _steady window"]
-    assert all(0 < host < total for total, host in times.values()), times
-    assert kernels() == before
-    torch.testing.assert_close(dec.decode(ids[:, 5]), want, atol=0, rtol=0)
 
 
 def test_inline_layers_unrolls_the_step_and_puts_the_nested_region_back():
@@ -350,7 +274,7 @@ class _ChangesAWeight:
 @pytest.mark.parametrize("speculate", [None, 3])
 def test_generate_checks_each_step_once_unless_a_streamer_runs_between_steps(monkeypatch, speculate):
     """Without a streamer nothing but `generate` runs between its steps, so a compiled decoder
-    checks its weights (`decoder._stamps`) once per kind of step and call (`StaticDecoder._steady`).
+    checks its weights (`decoder._stamps`) once per kind of step and call (`StaticDecoder.steady`).
     With a streamer every step is checked: a weight the streamer changes in place mid-generation
     is what the next step reads (the tokens equal an eager decoder's under the same streamer,
     and differ from the unchanged model's)."""

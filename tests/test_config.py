@@ -1,4 +1,4 @@
-"""ShramConfig (SPEC A.1): defaults, validation, derived sizes and config.json round trips."""
+"""ShramConfig (docs/design.md, "Config"): defaults, validation, derived sizes and config.json round trips."""
 
 import json
 import os
@@ -9,7 +9,7 @@ from helpers import DATA, GOLDEN_CASES
 from oracle import CONFIG_DEFAULTS
 from shram_static import ShramConfig
 
-# SPEC A.1 defaults as transcribed once for the oracle; inference_sequence_length resolves to
+# The defaults of docs/design.md, "Config", as transcribed once for the oracle; inference_sequence_length resolves to
 # training_sequence_length.
 SPEC_DEFAULTS = {**CONFIG_DEFAULTS, "inference_sequence_length": 1024}
 FIELDS = list(SPEC_DEFAULTS)

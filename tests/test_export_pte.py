@@ -247,19 +247,6 @@ def test_no_delegate_copies_a_weight_or_cache(builtin):
     assert checked  # delegates read weights
 
 
-def test_loading_moves_the_packed_weights_onto_huge_pages(builtin, monkeypatch):
-    """`load_pte` collapses the process's resident memory onto huge pages once, after loading
-    the methods (XNNPACK packs the weights then; before it, they would stay on 4 KiB pages)."""
-    from executorch.runtime import Program
-
-    from shram_static import hugepages
-    events, load = [], Program.load_method
-    monkeypatch.setattr(Program, "load_method", lambda self, name: events.append(f"load {name}") or load(self, name))
-    monkeypatch.setattr(hugepages, "collapse_resident", lambda regions=None: events.append(regions) or 0)
-    load_pte(builtin[0])
-    assert events[-1] is None and events.count(None) == 1 and len(events) > 1
-
-
 def test_state_initialised_and_shared(builtin):
     """Every state buffer of the decode method carries its starting bytes, once (a view of a
     buffer is a plain tensor at the buffer's place, without its name or bytes:

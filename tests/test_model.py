@@ -1,5 +1,5 @@
 """The uncached forward `ShramForCausalLM(ids, mask)` against the golden cases and the float64
-oracle (tests/oracle.py), its SPEC A.4 properties (causality, batch invariance) and its input
+oracle (tests/oracle.py), its properties of docs/design.md, "The network" (causality, batch invariance) and its input
 errors."""
 
 import pytest
@@ -89,7 +89,7 @@ def test_random_configs_cover_the_space():
     assert {c.block_length for c in cfgs} == {1, 2, 3, 4}
 
 
-# -- SPEC A.4 properties on random configs ---------------------------------------------------
+# -- live-token properties (docs/design.md, "The network") on random configs ---------------------------------------------------
 @pytest.mark.parametrize("seed", [100, 101, 102, 103, 104, 105])
 def test_causality(seed):
     model = random_model(seed)

@@ -1,11 +1,9 @@
-"""The ONNX export's speed-ups (`shram_static.export.decompose.onnx_decomposed`, the skipped
-rewrite rules of `shram_static.export.onnx`): each gives the stock exporter's graph, node for
+"""The ONNX export's speed-up (the skipped rewrite rules of `shram_static.export.onnx`): it gives the stock exporter's graph, node for
 node, on a SHRAM step. That the `.onnx` files compute the right logits is checked by running them
 (tests/test_export_onnx.py).
 """
 
 import contextlib
-import unittest.mock
 
 import pytest
 import torch
@@ -69,44 +67,3 @@ def test_onnx_rule_skip_keeps_the_optimized_graph(onnx_step):
     assert rewriter._DEFAULT_REWRITE_RULES is rules
 
 
-@needs('one_trace_onnx_export')
-def test_onnx_export_in_one_trace_gives_the_exporters_graph(onnx_step):
-    """`onnx_decomposed` hands the ONNX exporter a program exported and decomposed in one trace:
-    the graph is the exporter's own (`onnx_step`), node for node (ops, attributes, weights,
-    names of inputs and outputs), without its `torch.export` and `run_decompositions`. Should
-    the exporter's registry implement other ops than the table was made for, it decomposes the
-    program itself."""
-    import numpy as np
-    import onnx
-    import onnx_ir as ir
-    from onnx import numpy_helper
-    from torch.onnx._internal.exporter import _decomp, _fx_passes, _registration
-
-    from shram_static.export.decompose import onnx_decomposed
-    from shram_static.export.onnx_fusions import OPSET
-
-    fn, args, stock, stock_traces = onnx_step
-    step = _fx_passes.decompose_with_registry
-    with counting_traces() as traces, torch.no_grad(), onnx_decomposed(fn, args, OPSET) as ep:
-        fast = ir.to_proto(torch.onnx.export(ep, args, dynamo=True, optimize=False, verbose=False,
-                                             opset_version=OPSET).model)
-        assert traces == [] and stock_traces == ["export", "decompose"]
-        # a registry without one of the ops the table keeps whole: the exporter's decomposition
-        registry = _registration.ONNXRegistry.from_torchlib(OPSET)
-        fewer = _decomp.get_onnx_implemented_overloads(registry)[1:]
-        with unittest.mock.patch.object(_decomp, "get_onnx_implemented_overloads", lambda r: fewer):
-            _fx_passes.decompose_with_registry(ep, registry)
-        assert traces == ["decompose"]
-    assert _fx_passes.decompose_with_registry is step  # restored
-
-    def nodes(p):
-        return [(n.op_type, n.domain, [(a.name, onnx.helper.get_attribute_value(a)) for a in n.attribute
-                                       if a.type != onnx.AttributeProto.GRAPH]) for n in p.graph.node]
-
-    def weights(p):
-        return [numpy_helper.to_array(t) for t in p.graph.initializer]
-
-    assert str(nodes(fast)) == str(nodes(stock)) and len(fast.graph.node) > 100
-    assert [i.name for i in fast.graph.input] == [i.name for i in stock.graph.input]
-    assert [o.name for o in fast.graph.output] == [o.name for o in stock.graph.output]
-    assert all(np.array_equal(a, b) for a, b in zip(weights(fast), weights(stock), strict=True))

@@ -46,7 +46,7 @@ def test_oracle_matches_golden_greedy(name):
 
 
 def test_padding_is_noop():
-    """A left-padded row gives the logits it gives alone (oracle sanity, SPEC A.4)."""
+    """A left-padded row gives the logits it gives alone (oracle sanity, docs/design.md, "The network")."""
     cfg, sd, g = _case("left_padded")
     mask = g["attention_mask"].bool()
     logits, selected = oracle_forward(cfg, sd, g["input_ids"], mask)

@@ -93,7 +93,7 @@ def test_compiled_rows_never_recompile(model):
     (`last_only`: the prefill shape's step takes the lm_head of each row's last live token,
     also when that is its first, or a row has none)."""
     torch._dynamo.reset()
-    dec = StaticDecoder(model, batch_size=B, prefill_chunk=C, compile=True, skip_guards=False)
+    dec = StaticDecoder(model, batch_size=B, prefill_chunk=C, compile=True)
     for width in (1, C):  # compile both shapes once
         dec.step(torch.zeros(B, width, dtype=torch.long), torch.zeros(B, width, dtype=torch.bool), last_only=True)
     assert int(dec.live_counts.sum()) == 0

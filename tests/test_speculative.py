@@ -29,14 +29,6 @@ def pair():
     return model, draft, ids, mask
 
 
-def counting_verify(dec):
-    """Counts the verify steps (more than one token per row) that generation runs on dec."""
-    calls = []
-    real = dec._feed
-    dec._feed = lambda ids, live: (calls.append(1) if ids.shape[1] > 1 else None) or real(ids, live)
-    return calls
-
-
 def test_golden_greedy_tokens_with_prompt_lookup():
     model, g = golden_case("main_basic")
     P = int(g["prompt_len"])
@@ -57,8 +49,9 @@ def test_speculative_greedy_equals_greedy(pair, source):
     want_eos = dec.generate(ids, mask, max_new_tokens=30, eos_token_id=eos, pad_token_id=1)
     draft = {"lookup": None, "draft": StaticDecoder(draft_model, batch_size=2, prefill_chunk=3, verify_len=3),
              "self_draft": StaticDecoder(model, batch_size=2, prefill_chunk=4)}[source]
-    calls = counting_verify(dec)
-    assert torch.equal(dec.generate(ids, mask, max_new_tokens=30, speculate=4, draft=draft), want)
+    with dec.timed_feeds() as feeds:  # (tokens per row, seconds) of each step fed
+        assert torch.equal(dec.generate(ids, mask, max_new_tokens=30, speculate=4, draft=draft), want)
+    calls = [n for n, _ in feeds if n > 1]  # the verify steps
     assert len(calls) >= 3 if source != "self_draft" else len(calls) <= 30 // 4 + 2
     plain_puts, spec_puts = Recorder(), Recorder()
     dec.generate(ids, mask, max_new_tokens=30, eos_token_id=eos, pad_token_id=1, streamer=plain_puts)
@@ -191,26 +184,29 @@ def test_bench_speculative_command_reports_both_prompts(capsys, tmp_path):
 
 
 def test_bench_speculative_times_every_fed_step_and_leaves_the_decoder_as_it_was():
-    """The benchmark's timer over `_feed` sees each step `generate` feeds (one per token after
-    the first for plain greedy; the verify and decode steps speculation counts), and is gone
-    afterwards, also when the block raises."""
-    from shram_static.bench_speculative import _split, _timed_feeds
+    """`HostDecoder.timed_feeds`, the benchmark's timer, sees each step `generate` feeds (one
+    per token after the first for plain greedy; the verify and decode steps speculation
+    counts), and records nothing afterwards, also when the block raises."""
+    from shram_static.bench_speculative import _split
     dec = StaticDecoder(tiny_model(num_decoder_layers=1), batch_size=1, prefill_chunk=4, verify_len=4)
     ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
-    with _timed_feeds(dec, time.perf_counter) as feeds:
+    with dec.timed_feeds(time.perf_counter) as feeds:
         dec.generate(ids, max_new_tokens=9)
     assert [n for n, _ in feeds] == [1] * 8 and all(s > 0 for _, s in feeds)
     st = {}
     draft = StaticDecoder(tiny_model(num_decoder_layers=1), batch_size=1, prefill_chunk=4, verify_len=4)
-    with _timed_feeds(dec, time.perf_counter) as feeds:  # a draft decoder guesses every round
+    with dec.timed_feeds(time.perf_counter) as feeds:  # a draft decoder guesses every round
         speculative_generate(dec, ids, torch.ones_like(ids, dtype=torch.bool), 9, False, Sampler(0),
                              None, None, 0, None, 3, draft, st)
     assert st["rounds"] > 0 and sum(n > 1 for n, _ in feeds) == st["rounds"]
     assert sum(n == 1 for n, _ in feeds) == st["decodes"]
-    assert "_feed" not in vars(dec)
-    with pytest.raises(ZeroDivisionError), _timed_feeds(dec, time.perf_counter):
+    n = len(feeds)
+    dec.generate(ids, max_new_tokens=3)
+    assert len(feeds) == n  # outside the block: nothing recorded
+    with pytest.raises(ZeroDivisionError), dec.timed_feeds(time.perf_counter) as inner:
         1 / 0
-    assert "_feed" not in vars(dec)
+    dec.generate(ids, max_new_tokens=3)
+    assert inner == [] and len(feeds) == n
     sp = _split([(1, 0.2), (4, 0.5), (1, 0.4)], 1.6)
     assert sp["decode"] == pytest.approx(0.3) and sp["verify"] == pytest.approx(0.5)
     assert sp["loop"] == pytest.approx(0.5 / 3)

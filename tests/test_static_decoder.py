@@ -144,7 +144,7 @@ def test_prefill_last_only_runs_the_head_for_one_token_per_row():
     for last in (False, True):
         dec = StaticDecoder(model, batch_size=B, prefill_chunk=C)
         with FlopCounterMode(display=False) as fc, torch.no_grad():
-            out.append(dec._run_last(ids, dec._count, live) if last else dec._run(ids, dec._count, live))
+            out.append(dec._run_last(ids, dec.live_counts, live) if last else dec._run(ids, dec.live_counts, live))
         flops.append(fc.get_total_flops())
     assert flops[0] - flops[1] == (B * C - B) * d * V * 2
     assert out[1].shape == (B, 1, V)

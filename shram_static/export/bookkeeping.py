@@ -50,7 +50,7 @@ def lazy_recompiles():
     WHY: ExecuTorch's and XNNPACK's passes recompile after every change, and ExecuTorch's pass
     manager again around every pass (to lint it), but lowering runs graphs through
     interpreters, never through their generated code (`Graph.python_code` was a large share of
-    a profiled lowering: docs/performance.md). torch's own
+    a profiled lowering: docs/performance.md, "Accelerators"). torch's own
     `_LazyGraphModule` (what Inductor uses) does this, but only for modules made through
     `torch.fx._lazy_graph_module._make_graph_module`; ExecuTorch makes plain GraphModules.
     As there, the lazy `forward` recompiles on its first call, so a module that is run gets

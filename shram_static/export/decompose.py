@@ -1,14 +1,11 @@
 """Export and decomposition in one trace: what `torch.export.export(...).run_decompositions(...)`
-gives, for the ExecuTorch lowering (`lowering.export_and_lower`) and the ONNX exporter
-(`onnx_decomposed`), without tracing the graph twice.
+gives, for the ExecuTorch lowering (`lowering.export_and_lower`), without tracing the graph
+twice.
 """
 
-import contextlib
 import functools
 
 import torch
-
-from ..accelerators import enabled
 
 
 def drop_provenance(ep) -> None:
@@ -90,59 +87,3 @@ def export_decomposed(mod: torch.nn.Module, args: tuple, decompositions: dict):
         _trace._export_to_aten_ir = to_aten
     _remove_unnecessary_copy_op_pass(ep.graph_module, ep.graph_signature)
     return ep
-
-
-@functools.cache
-def _onnx_decompositions(opset: int) -> tuple[frozenset, dict]:
-    """The ONNX exporter's decomposition table for its registry at `opset` (built once per
-    opset), with the op set it was made from."""
-    from torch.onnx._internal.exporter import _decomp, _registration
-
-    ops = frozenset(_decomp.get_onnx_implemented_overloads(_registration.ONNXRegistry.from_torchlib(opset)))
-    return ops, _decomp.create_onnx_friendly_decomposition_table(set(ops))
-
-
-@contextlib.contextmanager
-def onnx_decomposed(mod: torch.nn.Module, args: tuple, opset: int):
-    """Yields `mod` exported and decomposed as `torch.onnx.export(mod, args, dynamo=True,
-    opset_version=opset)` would (`export_decomposed` with the exporter's table), for
-    `torch.onnx.export` to take; within the block, the exporter's own decomposition step passes
-    that program through.
-
-    WHY: given a module, the exporter runs `torch.export.export` and then `run_decompositions`
-    (`_fx_passes.decompose_with_registry`), two traces of the graph. The table must be made for the
-    opset the export targets (the registry keeps `aten.rms_norm` whole from opset 23 on).
-    Should the exporter's registry implement other ops than the one this table was made from,
-    it decomposes the program itself, as it would have. The capture is the exporter's first strategy's
-    (non-strict, `backed_size_oblivious`); the ONNX graphs are checked against the exporter's
-    own in tests/test_onnx_lowering.py.
-
-    Args:
-        mod: the module (its inputs static).
-        args: example positional inputs.
-        opset: the `opset_version` the `torch.onnx.export` call in the block passes.
-
-    Yields:
-        The decomposed `ExportedProgram`; `mod` itself where the accelerator
-        `one_trace_onnx_export` is off.
-    """
-    from torch.onnx._internal.exporter import _decomp, _fx_passes
-
-    if not enabled("one_trace_onnx_export"):  # the stock path: the exporter traces `mod` itself
-        yield mod
-        return
-    ops, table = _onnx_decompositions(opset)
-    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
-        ep = export_decomposed(mod, args, table)
-    decompose = _fx_passes.decompose_with_registry
-
-    def passed_through(program, registry):
-        if program is ep and set(_decomp.get_onnx_implemented_overloads(registry)) == ops:
-            return program
-        return decompose(program, registry)
-
-    _fx_passes.decompose_with_registry = passed_through
-    try:
-        yield ep
-    finally:
-        _fx_passes.decompose_with_registry = decompose

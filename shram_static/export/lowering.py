@@ -126,7 +126,7 @@ def needed_xnnpack_passes_only():
     partition with fake tensors and re-checks it, whether or not the partition holds anything
     the pass rewrites; the two pattern passes also trace their pattern graphs once per process
     A SHRAM step has no convolution, batch norm, PReLU, upsampling, pooling or SDPA, so
-    most of them re-trace for nothing (what that costs: docs/performance.md).
+    most of them re-trace for nothing (what that costs: docs/performance.md, "Accelerators").
     ExecuTorch's maintainers cut the same cost the same way for their llama export (pytorch/
     executorch#1893: only ConvertToLinearPass for dynamically quantized linears); the pass list
     is the only hook, so the default list is filtered where it is built. Restored on exit;
@@ -365,7 +365,7 @@ def without_onnx_rewrite_rules(names=SKIPPED_ONNX_RULES):
     is a two-output pattern, and its matcher is far slower than the other 45 rules together on
     a SHRAM step, which holds hundreds of Slices (cache views, RoPE halves) and never matches
     it: most of an optimizer round on the bench model's decode graph, and the optimizer is most
-    of an `.onnx` export (docs/performance.md). The optimized
+    of an `.onnx` export (docs/performance.md, "Accelerators"). The optimized
     graphs are otherwise what the exporter makes (tests/test_onnx_lowering.py compares the op
     histograms with and without). `optimize_ir` reads the rule tuple when it runs, so it is
     swapped for the block only;

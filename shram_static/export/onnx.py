@@ -35,7 +35,6 @@ from ..console import without_leafspec_notice
 from ..state import StaticState
 from ..step import FunctionalStep
 from .common import ONNX_FORMAT, check_export_args, export_copy, graph_paths
-from .decompose import onnx_decomposed
 from .forked import run_jobs
 from .lowering import without_onnx_rewrite_rules
 
@@ -51,9 +50,9 @@ def _export_graph(fn: FunctionalStep, state: StaticState, C: int):
     names = state.names()
     args = (torch.zeros(B, C, dtype=torch.long), torch.zeros(B, dtype=torch.long),
             torch.ones(B, C, dtype=torch.bool), *[t.clone() for t in state.tensors()])
-    with torch.no_grad(), without_onnx_rewrite_rules(), without_leafspec_notice(), onnx_decomposed(fn, args, OPSET) as ep:
+    with torch.no_grad(), without_onnx_rewrite_rules(), without_leafspec_notice():
         prog = torch.onnx.export(
-            ep, args, dynamo=True, optimize=True, verbose=False, opset_version=OPSET,
+            fn, args, dynamo=True, optimize=True, verbose=False, opset_version=OPSET,
             input_names=["input_ids", "position_ids", "live", *[f"past.{n}" for n in names]],
             output_names=["logits", *[f"present.{n}" for n in names]],
         )

@@ -11,7 +11,6 @@ import torch
 from ..config import ShramConfig
 from ..errors import ExportFormatError
 from ..host import HostDecoder
-from ..hugepages import collapse_resident
 from .common import ONNX_FORMAT, graph_paths
 
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
@@ -132,9 +131,6 @@ class OnnxDecoder(HostDecoder):
         if inplace:
             for g in self._graphs.values():
                 g.bind_state(self.names, self._state[0], self._state[0])
-        # onnxruntime prepacked the weights while creating the sessions: onto huge pages with
-        # them (every resident range of the process; shram_static.hugepages)
-        collapse_resident()
 
     def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[1]

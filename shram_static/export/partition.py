@@ -8,7 +8,7 @@ delegate copies the whole tensor on every call. Outside a delegate ExecuTorch tu
 `view_copy` into a view that shares its base's memory and costs nothing
 (`ReplaceViewCopyWithViewPass`, run by `to_executorch`). On the bench model's decode step the
 delegated reshapes copied megabytes per layer per token (the fused expert weights among them),
-visible in `perf` as `memmove` on XNNPACK's threads (docs/performance.md). XNNPACK's public
+visible in `perf` as `memmove` on XNNPACK's threads (docs/performance.md, "`.pte`"). XNNPACK's public
 partitioner configs: part of the program, not an accelerator.
 """
 

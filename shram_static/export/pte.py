@@ -176,7 +176,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     # per_token_max=1). WHY: gathering each token's K expert caches is a copy in the runtime
     # (a portable index_select; Inductor reads the rows in place, so compiled verify steps keep
     # it), and C*K gathered caches outweigh the L read in place: verify/decode 1.43 against 1.81
-    # on the bench model (docs/performance.md, "Speculative decoding").
+    # on the bench model (docs/performance.md, "`.pte`").
     step = StepModule(model, state).eval()
     i64 = dict(dtype=torch.long)
     decode_name = "forward" if B == 1 else "decode"
@@ -197,7 +197,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
                                                         torch.ones(B, Cv, dtype=torch.bool)))
     # _check_ir_validity=False, as ExecuTorch's llama export does. WHY: the edge verifier re-checks
     # every graph after every pass (a tenth of lowering time), and since a delegate holds a whole
-    # norm + projections block (docs/performance.md, ".pte") it rejects, inside XNNPACK's own
+    # norm + projections block (docs/performance.md, "`.pte`") it rejects, inside XNNPACK's own
     # preprocessing of such a partition, the `aten.linear` nodes the XNNPACK partitioner keeps
     # undecomposed for its linear kernel (SpecViolationError: "not in Core ATen opset"). What the
     # program runs is checked by running it (tests/test_export_pte.py: allowlisted kernels only).

@@ -53,7 +53,6 @@ class PteDecoder(HostDecoder):
             raise ExportFormatError(f"{path} is not an ExecuTorch program (no {PTE_MAGIC!r} header)")
         from executorch.runtime import Runtime
 
-        from ..hugepages import collapse_resident
         from .backend_options import share_packed_weights
         share_packed_weights()  # one packed copy of each weight for all methods (where verified)
         try:
@@ -96,9 +95,6 @@ class PteDecoder(HostDecoder):
             raise ExportFormatError(f"{path}: loading the step methods failed (truncated, or built "
                                     f"with kernels this runtime lacks?): {e}") from e
         self._batched = meta["decode_method"] != "forward"
-        # XNNPACK packed the weights while loading the methods: onto huge pages with them
-        # (every resident range of the process; shram_static.hugepages)
-        collapse_resident()
 
     def _check_signature(self, method: str, tokens_shape, logits_shape) -> None:
         """Raises ExportFormatError unless the method's tensors match the stored config."""
@@ -123,7 +119,7 @@ class PteDecoder(HostDecoder):
         tokens, input_pos, live = tokens.contiguous(), input_pos.contiguous(), live.contiguous()
         # WHY one torch thread while the program runs: the call itself runs a parallel torch
         # region, whose OpenMP worker then spin-waits on a core the XNNPACK threadpool needs
-        # (docs/performance.md, ".pte"). The caller's thread count is restored after the call.
+        # (docs/performance.md, "`.pte`"). The caller's thread count is restored after the call.
         with torch_threads(1):
             return self._execute(tokens, input_pos, live)
 

@@ -75,7 +75,7 @@ def quantize_weights(model: nn.Module, mode: str = "int8", embedding: bool = Fal
 
     The experts are fused first (`fuse_experts_`, as the export copy is), so their two linears
     are quantized like the others. (Gathering int8 expert rows per token instead is slower:
-    the rows are widened to float by a portable `_to_dim_order_copy`; docs/performance.md.)
+    the rows are widened to float by a portable `_to_dim_order_copy`; docs/performance.md, "Tried and not kept".)
 
     Args:
         model: a `ShramForCausalLM` (left untouched).

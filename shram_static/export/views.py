@@ -10,7 +10,7 @@ behaviours (ExecuTorch 1.4-1.5) need mending for that:
   emitter stores the bytes again per view (`StateViewPlanning` plans it as a plain tensor at the
   buffer's place).
 Without them the delegates copy the written caches on every step (what that costs:
-docs/performance.md). Both use ExecuTorch's public hooks (a graph pass, a memory planning pass),
+docs/performance.md, "`.pte`"). Both use ExecuTorch's public hooks (a graph pass, a memory planning pass),
 so they are part of the program, not accelerators: the stock lowering writes the same program.
 """
 

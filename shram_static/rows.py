@@ -1,0 +1,83 @@
+"""Per-row bookkeeping around a step, shared by `HostDecoder` and `ShramCache`.
+
+- `RowCounts`: each row's live tokens (the step's `input_pos`) and how many of its last tokens
+  it can forget now (rollback, `crop`).
+- `padded_chunks`: N columns as fixed-size chunks of C, the last padded with dead tokens.
+- `canonical`: a step's input in the one layout its compiled graph was traced with.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+class RowCounts:
+    """The live-token and rollback counts of B rows, as (B,) int64 tensors updated in place
+    (so a compiled forward that reads them never recompiles).
+
+    Args:
+        batch_size: B.
+        device: of the counts (the state's).
+
+    Attributes:
+        live: (B,) live tokens each row holds.
+        undo: (B,) tokens each row can forget now, at most the rollback limit given to `fed`.
+    """
+
+    def __init__(self, batch_size: int, device=None):
+        self.live = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.undo = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+    def fed(self, n: torch.Tensor, rollback_limit: int) -> None:
+        """Rows took n (B,) more live tokens. A fed token can be forgotten until rollback_limit
+        later ones have been fed (the ring and the routing history keep that many beyond what
+        a step needs)."""
+        self.live.add_(n)
+        self.undo.add_(n).clamp_(max=rollback_limit)
+
+    def forget(self, n: torch.Tensor | int) -> None:
+        """Rows forget their last n (B,) tokens (checked by the caller: n <= `rollbackable`)."""
+        self.live.sub_(n)
+        self.undo.sub_(n)
+
+    @property
+    def rollbackable(self) -> torch.Tensor:
+        """(B,) the most tokens each row can forget now."""
+        return torch.minimum(self.undo, self.live)
+
+    def reset(self, rows: torch.Tensor | None = None) -> None:
+        """Rows (a (n,) int64 index; None: every row) start afresh, nothing to forget."""
+        if rows is None:
+            self.live.zero_()
+            self.undo.zero_()
+        else:
+            self.live[rows] = 0
+            self.undo[rows] = 0
+
+    def reorder(self, idx: torch.Tensor) -> None:
+        """Row b takes the counts of row idx[b] (beam search)."""
+        self.live.copy_(self.live.index_select(0, idx))
+        self.undo.copy_(self.undo.index_select(0, idx))
+
+
+def padded_chunks(ids: torch.Tensor, live: torch.Tensor, C: int) -> tuple[torch.Tensor, torch.Tensor, range]:
+    """ids and live (B, N), padded with dead tokens to a multiple of C, and the first column
+    of each C-column chunk."""
+    pad = (-ids.shape[1]) % C
+    return F.pad(ids, (0, pad)), F.pad(live, (0, pad)), range(0, ids.shape[1] + pad, C)
+
+
+def canonical(t: torch.Tensor) -> torch.Tensor:
+    """t itself if it starts its storage with the contiguous strides for its shape, else a
+    contiguous copy.
+
+    WHY: a compiled step guards on its inputs' strides (and Inductor checks their alignment),
+    and a column slice keeps its parent's row stride (`.contiguous()` is a no-op for it when
+    it has one row), which made every prefill call (and every decode forward of
+    transformers' `generate`) recompile."""
+    want, n = [], 1
+    for size in reversed(t.shape):
+        want.append(n)
+        n *= size
+    if t.storage_offset() == 0 and t.stride() == tuple(reversed(want)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
