@@ -12,6 +12,7 @@ from .frames import DirectFrame
 from .fast_layers import FEW_ROWS, RowExperts, RowLinear, row_linear_, shared_copy  # noqa: F401
 from .host import HostDecoder
 from .hugepages import collapse_tensors
+from .quantized import Int4Linear, Int8Linear, check_quantize, quantize_linears_
 from .scratch import compiled_call
 from .state import StaticState
 from .step import StepModule
@@ -87,6 +88,11 @@ class StaticDecoder(HostDecoder):
             verify step cost ~3 decode steps on the built-in model (docs/performance.md).
         rollback_limit: the most tokens a row can forget at once (`rollback`); the state is
             built for max(prefill_chunk, verify_len, rollback_limit) (see `state.py`).
+        quantize: None (the model's weights), "int8" or "int4": the decoder's copy takes
+            weight-only quantized linear layers (`quantized.quantize_linears_`: every
+            projection and the lm_head; int8 per output channel, int4 in groups of 32 inputs),
+            made once here from the model's weights (later changes to them are not followed).
+            Eager and compiled; the model passed in is not modified.
 
     The decode step is `decode_step(tokens (B, 1), input_pos (B,), live (B, 1))`, the prefill
     step `prefill_step(tokens (B, C), input_pos (B,), live (B, C))`; both return logits
@@ -98,12 +104,16 @@ class StaticDecoder(HostDecoder):
 
     def __init__(self, model, batch_size: int = 1, prefill_chunk: int = 32, compile: bool = False,
                  eos_token_id: int | None = None, skip_guards: bool = True, verify_len: int | None = 5,
-                 rollback_limit: int | None = None):
+                 rollback_limit: int | None = None, quantize: str | None = None):
         super().__init__(model.config, batch_size, prefill_chunk, eos_token_id)
         check_verify_len(verify_len)
+        check_quantize(quantize)
         p = next(model.parameters())
         self.device = p.device
         self.model = shared_copy(model).eval()
+        self.quantize = quantize
+        if quantize is not None:  # before row_linear_: it then finds no nn.Linear to swap
+            quantize_linears_(self.model, quantize)
         self.state = StaticState(model.config, batch_size, prefill_chunk, dtype=p.dtype, device=p.device,
                                  rollback_limit=max(rollback_limit or 0, verify_len or 0))
         self.rollback_limit, self.verify_len = self.state.rollback_limit, verify_len
@@ -129,7 +139,9 @@ class StaticDecoder(HostDecoder):
         if compile:
             # what a decode step streams, the packed copies and the state, onto huge pages
             # (shram_static.hugepages); the caller's own weights are left as they are
-            collapse_tensors([*(b for m in packers for b in m.buffers(recurse=False)), *self.state.tensors()])
+            quantized = [m for m in self.module.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+            collapse_tensors([*(b for m in packers + quantized for b in m.buffers(recurse=False)),
+                              *self.state.tensors()])
         self.compiled = compile
         self.skip_guards = skip_guards and enabled("skip_guards")
         self._direct = self.skip_guards and enabled("direct_frame")
