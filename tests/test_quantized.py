@@ -137,3 +137,32 @@ def test_compiled_quantized_step(builtin, mode):
     with torch.no_grad():
         hf = qm.generate(ids[:, :n], max_new_tokens=8, do_sample=False)
     assert torch.equal(out[0, -8:], hf[0, -8:])
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("mode", ["int4"])
+def test_onnx_quantized_export(builtin, mode, tmp_path):
+    """`export_onnx(quantize=...)`: every graph's constant-weight MatMuls become MatMulNBits,
+    the metadata says so, `load_onnx` runs it, and its bits per byte of held-out text stay
+    within the bound of fp32's (the uncached fp32 forward as the oracle)."""
+    import json
+
+    import onnx
+
+    from shram_static.export import export_onnx, load_onnx
+
+    model, data, ref = builtin
+    paths = export_onnx(model, str(tmp_path / "m.onnx"), prefill_chunk=32, quantize=mode, full_logits=True,
+                        verify_len=3, parallel=False)
+    for role in ("decode", "prefill", "verify"):
+        g = onnx.load(paths[role], load_external_data=False)
+        meta = json.loads({p.key: p.value for p in g.metadata_props}["shram_export"])
+        assert meta["quantize"] == mode and meta["quantized_matmuls"] > 0
+        ops = [n.op_type for n in g.graph.node]
+        assert ops.count("MatMulNBits") == meta["quantized_matmuls"]
+    dec = load_onnx(paths["decode"])
+    got = score_bytes(dec, data[:600], None, False)["bits_per_byte"]
+    want = fp32_bits_per_byte(model, data[:600])
+    assert abs(got - want) < want * BPB_BOUNDS[mode]
+    with pytest.raises(ValueError, match="quantize"):
+        export_onnx(model, str(tmp_path / "x.onnx"), quantize="8da4w")
