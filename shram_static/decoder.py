@@ -126,7 +126,9 @@ class StaticDecoder(HostDecoder):
             # a prefill chunk's projections as F.linear and its experts as one batched matmul
             # (RowExperts), the last-token head of a prompt chunk over B rows
             row_linear_(self.model)
-            if batch_size > 1:
+            # quantized, at one row too: the integer weights make the loops cheap enough that the
+            # norm's rsqrt, inlined into every one of them, is a visible share (docs/performance.md)
+            if batch_size > 1 or quantize is not None:
                 decode_options = {**STEP_OPTIONS, **ROW_INPUTS_STORED}
         self.module = StepModule(self.model, self.state, per_token_max=few)
         # the RowLinears and RowExperts, whose own copies are packed again before a step once a
