@@ -126,9 +126,10 @@ class StaticDecoder(HostDecoder):
             # a prefill chunk's projections as F.linear and its experts as one batched matmul
             # (RowExperts), the last-token head of a prompt chunk over B rows
             row_linear_(self.model)
-            # quantized, at one row too: the integer weights make the loops cheap enough that the
-            # norm's rsqrt, inlined into every one of them, is a visible share (docs/performance.md)
-            if batch_size > 1 or quantize is not None:
+            # int4, at one row too: its loops are bound by instructions, and the norm's rsqrt
+            # inlined into each of them costs 1.14x the step (bench model; int8: no difference;
+            # docs/performance.md, "Weight-only int8 and int4 against llama.cpp")
+            if batch_size > 1 or quantize == "int4":
                 decode_options = {**STEP_OPTIONS, **ROW_INPUTS_STORED}
         self.module = StepModule(self.model, self.state, per_token_max=few)
         # the RowLinears and RowExperts, whose own copies are packed again before a step once a
