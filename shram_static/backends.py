@@ -2,7 +2,8 @@
 
 `eager` and `compiled` are `StaticDecoder`s, `compiled-int8` and `compiled-int4` compiled ones with
 weight-only quantized linear layers (`quantized.py`); `pte`, `pte-int8`, `pte-8da4w`, `onnx`,
-`onnx-int8` and `onnx-int4` export the model into a temporary directory (removed by the caller's `ExitStack`) and load the artifact,
+`onnx-int8` and `onnx-int4` export the model into a temporary directory (removed by the caller's
+`ExitStack`) and load the artifact,
 so a user can check an export or a quantization end to end from one command.
 """
 

@@ -1,8 +1,8 @@
 """Throughput benchmark: `shram-static bench` (or `python -m shram_static.bench`).
 
 For each model (the bench config, the built-in model, or a checkpoint), backend
-(eager, compiled, compiled-int8/int4, pte, pte-int8, onnx, onnx-int8/int4) and batch size it reports decode ms/step over a range of
-contexts (64 up to near capacity), prefill tokens/s, export or compile warm-up time, artifact
+(eager, compiled, compiled-int8/int4, pte, pte-int8, onnx, onnx-int8/int4) and batch size it
+reports decode ms/step over a range of contexts (64 up to near capacity), prefill tokens/s, export or compile warm-up time, artifact
 size and peak RSS, and each decode time as a ratio to compiled torch and to the machine's floor:
 the bytes a decode step must read divided by the memory read bandwidth measured in the same run
 (a shared machine's bandwidth reading swings by 2x between runs, so only same-run ratios compare).

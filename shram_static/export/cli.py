@@ -40,8 +40,8 @@ def export_main(args) -> int:
         t = time.perf_counter()
         quantize = args.quantize if args.quantize in QUANTIZE[fmt] else None
         if args.quantize and quantize is None:
-            info(f"note: --quantize {args.quantize} applies to {' and '.join(f for f in FORMATS if args.quantize in QUANTIZE[f])} "
-                 f"only; the .{fmt} stays fp32")
+            takers = " and ".join(f for f in FORMATS if args.quantize in QUANTIZE[f])
+            info(f"note: --quantize {args.quantize} applies to {takers} only; the .{fmt} stays fp32")
         chunk = ("decode only" if args.decode_only else f"prefill chunk {args.prefill_chunk}, "
                  f"{'every' if args.full_logits else 'the last'} token's logits")
         info(f"exporting {fmt} (batch {args.batch_size}, {chunk}"

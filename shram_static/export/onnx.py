@@ -156,7 +156,8 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
             m, n = quantize_graph(m, quantize)
             quantized = {"quantized_matmuls": n, "quantize_block": BLOCK, "accuracy_level": ACCURACY_LEVEL}
         meta = {"format": ONNX_FORMAT, "role": role, "roles": list(chunks), "export_id": export_id,
-                "quantize": quantize, **quantized, "batch_size": batch_size, "prefill_chunk": C, "chunk": c, "state_names": state.names(),
+                "quantize": quantize, **quantized, "batch_size": batch_size, "prefill_chunk": C, "chunk": c,
+                "state_names": state.names(),
                 "rollback_limit": state.rollback_limit, "verify_len": verify_len, "full_logits": full_logits,
                 "eos_token_id": eos_token_id, "dtype": str(dtype).replace("torch.", "")}
         onnx.helper.set_model_props(m, {"shram_config": cfg.to_json_string(use_diff=False),
