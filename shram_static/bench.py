@@ -3,8 +3,9 @@
 For each model (the bench config, the built-in model, or a checkpoint), backend
 (eager, compiled, compiled-int8/int4, pte, pte-int8, onnx, onnx-int8/int4) and batch size it
 reports decode ms/step over a range of contexts (64 up to near capacity), prefill tokens/s,
-export or compile warm-up time, artifact size and peak RSS, and each decode time as a ratio to compiled torch and to the machine's floor:
-the bytes a decode step must read divided by the memory read bandwidth measured in the same run
+export or compile warm-up time, artifact size and peak RSS, and each decode time as a ratio to
+compiled torch and to the machine's floor: the bytes a decode step must read divided by the
+memory read bandwidth measured in the same run
 (a shared machine's bandwidth reading swings by 2x between runs, so only same-run ratios compare).
 A quantized backend's floor counts its weights as stored (`readings.decode_read_bytes`), and its
 speed is also given against the float program of the same format (`pte-int8` against `pte`,
