@@ -1,7 +1,9 @@
 """Decoders by backend name, shared by `shram-static generate` and `shram-static eval`.
 
-`eager` and `compiled` are `StaticDecoder`s; `pte`, `pte-int8`, `pte-8da4w` and `onnx` export the
-model into a temporary directory (removed by the caller's `ExitStack`) and load the artifact,
+`eager` and `compiled` are `StaticDecoder`s, `compiled-int8` and `compiled-int4` compiled ones with
+weight-only quantized linear layers (`quantized.py`); `pte`, `pte-int8`, `pte-8da4w`, `onnx`,
+`onnx-int8` and `onnx-int4` export the model into a temporary directory (removed by the caller's
+`ExitStack`) and load the artifact,
 so a user can check an export or a quantization end to end from one command.
 """
 
@@ -12,8 +14,10 @@ import time
 
 from .console import info
 
-BACKENDS = ("eager", "compiled", "pte", "pte-int8", "pte-8da4w", "onnx")
-_QUANTIZE = {"pte": None, "pte-int8": "int8", "pte-8da4w": "8da4w"}
+BACKENDS = ("eager", "compiled", "compiled-int8", "compiled-int4", "pte", "pte-int8", "pte-8da4w", "onnx",
+            "onnx-int8", "onnx-int4")
+_QUANTIZE = {"compiled-int8": "int8", "compiled-int4": "int4", "pte-int8": "int8", "pte-8da4w": "8da4w",
+             "onnx-int8": "int8", "onnx-int4": "int4"}
 
 
 def make_decoder(model, backend: str, prefill_chunk: int, stack: contextlib.ExitStack,
@@ -41,10 +45,11 @@ def make_decoder(model, backend: str, prefill_chunk: int, stack: contextlib.Exit
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend in ("eager", "compiled"):
+    quantize = _QUANTIZE.get(backend)
+    if backend == "eager" or backend.startswith("compiled"):
         from .decoder import StaticDecoder
         return StaticDecoder(model, batch_size=batch_size, prefill_chunk=prefill_chunk,
-                             compile=backend == "compiled", eos_token_id=eos_token_id,
+                             compile=backend != "eager", eos_token_id=eos_token_id, quantize=quantize,
                              **({"verify_len": verify_len} if verify_len else {}))
     try:
         from .export import export_onnx, export_pte, load_onnx, load_pte
@@ -52,15 +57,14 @@ def make_decoder(model, backend: str, prefill_chunk: int, stack: contextlib.Exit
         raise ValueError(f"backend {backend!r} needs shram_static.export, which failed to import: {e}") from e
     tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="shram_static_"))
     t0 = time.perf_counter()
-    if backend == "onnx":
+    if backend.startswith("onnx"):
         path = os.path.join(tmp, "model.onnx")
-        info(f"exporting to ONNX ({path}) ...")
+        info(f"exporting to ONNX{f' ({quantize})' if quantize else ''} ({path}) ...")
         export_onnx(model, path, batch_size=batch_size, prefill_chunk=prefill_chunk, eos_token_id=eos_token_id,
-                    verify_len=verify_len, full_logits=full_logits)
+                    verify_len=verify_len, full_logits=full_logits, quantize=quantize)
         dec = load_onnx(path)
     else:
         path = os.path.join(tmp, "model.pte")
-        quantize = _QUANTIZE[backend]
         info(f"exporting to ExecuTorch{f' ({quantize})' if quantize else ''} ({path}); lowering takes "
               f"a minute or more ...")
         export_pte(model, path, batch_size=batch_size, prefill_chunk=prefill_chunk, quantize=quantize,

@@ -1,13 +1,15 @@
 """Throughput benchmark: `shram-static bench` (or `python -m shram_static.bench`).
 
 For each model (the bench config, the built-in model, or a checkpoint), backend
-(eager, compiled, pte, pte-int8, onnx) and batch size it reports decode ms/step over a range of
-contexts (64 up to near capacity), prefill tokens/s, export or compile warm-up time, artifact
-size and peak RSS, and each decode time as a ratio to compiled torch and to the machine's floor:
-the bytes a decode step must read divided by the memory read bandwidth measured in the same run
+(eager, compiled, compiled-int8/int4, pte, pte-int8, onnx, onnx-int8/int4) and batch size it
+reports decode ms/step over a range of contexts (64 up to near capacity), prefill tokens/s,
+export or compile warm-up time, artifact size and peak RSS, and each decode time as a ratio to
+compiled torch and to the machine's floor: the bytes a decode step must read divided by the
+memory read bandwidth measured in the same run
 (a shared machine's bandwidth reading swings by 2x between runs, so only same-run ratios compare).
 A quantized backend's floor counts its weights as stored (`readings.decode_read_bytes`), and its
-speed is also given against the float program of the same format (`pte-int8` against `pte`).
+speed is also given against the float program of the same format (`pte-int8` against `pte`,
+`compiled-int8` against `compiled`).
 
 Every backend runs in a subprocess of its own, so its peak RSS and compile caches are its own;
 an exported backend is exported in one subprocess and run from the file in another, so its peak
@@ -42,18 +44,23 @@ BENCH_CONFIG = dict(vocab_size=50277, embedding_width=512, mlp_width=1366, num_d
 # seconds, PREFILL_RUNS at most, and timed as their median: a single run of a short prompt
 # swings 2x between rounds, far more than the backends differ.
 PREFILL_REPEAT_S, PREFILL_RUNS = 1.0, 5
-EXPORTED = {"pte": ("pte", None), "pte-int8": ("pte", "int8"), "pte-8da4w": ("pte", "8da4w"), "onnx": ("onnx", None)}
+EXPORTED = {"pte": ("pte", None), "pte-int8": ("pte", "int8"), "pte-8da4w": ("pte", "8da4w"), "onnx": ("onnx", None),
+            "onnx-int8": ("onnx", "int8"), "onnx-int4": ("onnx", "int4")}
+IN_PROCESS = {"eager": ("eager", None), "compiled": ("compiled", None), "compiled-int8": ("compiled", "int8"),
+              "compiled-int4": ("compiled", "int4")}  # StaticDecoder backends: (kind, quantize)
+FORMATS = {**EXPORTED, **IN_PROCESS}
 
 
 def quantization(backend: str) -> str | None:
-    """The weight quantization of a backend (`EXPORTED`), None for a float or PyTorch one."""
-    return EXPORTED.get(backend, (None, None))[1]
+    """The weight quantization of a backend (`EXPORTED`, `IN_PROCESS`), None for a float one."""
+    return FORMATS.get(backend, (None, None))[1]
 
 
 def float_partner(backend: str) -> str | None:
-    """The float backend of a quantized one's format (`pte-int8` -> `pte`), else None."""
-    fmt, q = EXPORTED.get(backend, (None, None))
-    return next((name for name, spec in EXPORTED.items() if spec == (fmt, None)), None) if q else None
+    """The float backend of a quantized one's format (`pte-int8` -> `pte`, `compiled-int4` ->
+    `compiled`), else None."""
+    fmt, q = FORMATS.get(backend, (None, None))
+    return next((name for name, spec in FORMATS.items() if spec == (fmt, None)), None) if q else None
 
 
 def build_model(name: str):
@@ -89,8 +96,9 @@ def export_one(model_name: str, backend: str, batch_size: int, prefill_chunk: in
     model = build_model(model_name)
     path = artifact_path(out_dir, backend)
     t = time.perf_counter()
-    if backend == "onnx":
-        files = list(export_onnx(model, path, batch_size=batch_size, prefill_chunk=prefill_chunk).values())
+    if EXPORTED[backend][0] == "onnx":
+        files = list(export_onnx(model, path, batch_size=batch_size, prefill_chunk=prefill_chunk,
+                                 quantize=EXPORTED[backend][1]).values())
     else:
         files = [export_pte(model, path, batch_size=batch_size, prefill_chunk=prefill_chunk,
                             quantize=EXPORTED[backend][1])]
@@ -117,9 +125,11 @@ class Runner:
         cfg = model.config
         B, S = batch_size, cfg.inference_sequence_length
         t = time.perf_counter()
-        if backend in ("eager", "compiled"):
-            dec = StaticDecoder(model, batch_size=B, prefill_chunk=prefill_chunk, compile=backend == "compiled")
-        elif backend == "onnx":
+        if backend in IN_PROCESS:
+            kind, quantize = IN_PROCESS[backend]
+            dec = StaticDecoder(model, batch_size=B, prefill_chunk=prefill_chunk, compile=kind == "compiled",
+                                quantize=quantize)
+        elif EXPORTED[backend][0] == "onnx":
             from .export import load_onnx
             dec = load_onnx(artifact_path(out_dir, backend))
         else:

@@ -32,11 +32,15 @@ PASSAGE = ("Shall I compare thee to a summer's day?\nThou art more lovely and mo
 PROMPTS = {"grounded": PASSAGE + "\n" + PASSAGE[:80], "free": "ROMEO:"}
 
 
+SPEC_BACKENDS = ("eager", "compiled", "compiled-int8", "compiled-int4", "pte", "onnx", "onnx-int8", "onnx-int4")
+
+
 def _decoder(model, backend: str, k: int, stack, chunk: int = 32):
-    if backend in ("eager", "compiled"):
+    if backend == "eager" or backend.startswith("compiled"):
         from .decoder import StaticDecoder
-        return StaticDecoder(model, batch_size=1, prefill_chunk=chunk, compile=backend == "compiled",
-                             verify_len=k + 1)
+        quantize = backend.split("-")[1] if "-" in backend else None
+        return StaticDecoder(model, batch_size=1, prefill_chunk=chunk, compile=backend != "eager",
+                             verify_len=k + 1, quantize=quantize)
     import os
     import tempfile
     tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="shram_spec_"))
@@ -45,8 +49,10 @@ def _decoder(model, backend: str, k: int, stack, chunk: int = 32):
         info("exporting the .pte (with a verify method) ...")
         return load_pte(export_pte(model, os.path.join(tmp, "m.pte"), prefill_chunk=chunk, verify_len=k + 1))
     from .export import export_onnx, load_onnx
-    info("exporting the .onnx (with a verify graph) ...")
-    return load_onnx(export_onnx(model, os.path.join(tmp, "m.onnx"), prefill_chunk=chunk, verify_len=k + 1)["decode"])
+    quantize = backend.split("-")[1] if "-" in backend else None
+    info(f"exporting the .onnx{f' ({quantize})' if quantize else ''} (with a verify graph) ...")
+    return load_onnx(export_onnx(model, os.path.join(tmp, "m.onnx"), prefill_chunk=chunk, verify_len=k + 1,
+                                 quantize=quantize)["decode"])
 
 
 def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> dict:
@@ -199,7 +205,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("bench-speculative", help="speculative (prompt lookup) vs plain greedy decoding, "
                                                         "and a verify step's cost against a decode step's")
     p.add_argument("--model", default="builtin", help="'builtin', 'bench' or a checkpoint directory")
-    p.add_argument("--backend", default="compiled", choices=["eager", "compiled", "pte", "onnx"])
+    p.add_argument("--backend", default="compiled", choices=SPEC_BACKENDS)
     p.add_argument("--speculate", type=positive_int, default=4, metavar="K", help="guesses per verify step")
     p.add_argument("--max-new-tokens", type=positive_int, default=400, metavar="N")
     p.add_argument("--prompts", nargs="*", choices=list(PROMPTS), help="default: all (none for the bench model)")

@@ -56,7 +56,7 @@ def generate(args) -> int:
             draft_model, _ = load_model_and_tokenizer(args.draft)
             draft = make_decoder(draft_model, args.backend, args.prefill_chunk, stack, tok.eos_token_id,
                                  getattr(tok, "bos_token_id", None), verify_len=verify)
-        if args.backend == "compiled":
+        if args.backend.startswith("compiled"):
             info("compiling the prefill and decode steps (first call)...")
         t0 = time.perf_counter()
         dec.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens,

@@ -10,6 +10,7 @@ from .cpu_isa import start_isa_checks
 from .fast_layers import FEW_ROWS, RowExperts, RowLinear, row_linear_, shared_copy  # noqa: F401
 from .host import HostDecoder
 from .kernel_builds import run_batched
+from .quantized import Int4Linear, Int8Linear, check_quantize, quantize_linears_
 from .state import StaticState
 from .step import StepModule
 from .validation import check_verify_len
@@ -73,6 +74,11 @@ class StaticDecoder(HostDecoder):
             verify step cost ~3 decode steps on the built-in model.
         rollback_limit: the most tokens a row can forget at once (`rollback`); the state is
             built for max(prefill_chunk, verify_len, rollback_limit) (see `state.py`).
+        quantize: None (the model's weights), "int8" or "int4": the decoder's copy takes
+            weight-only quantized linear layers (`quantized.quantize_linears_`: every
+            projection and the lm_head; int8 per output channel, int4 in groups of 32 inputs),
+            made once here from the model's weights (later changes to them are not followed).
+            Eager and compiled; the model passed in is not modified.
 
     The decode step is `decode_step(tokens (B, 1), input_pos (B,), live (B, 1))`, the prefill
     step `prefill_step(tokens (B, C), input_pos (B,), live (B, C))`; both return logits
@@ -84,12 +90,16 @@ class StaticDecoder(HostDecoder):
 
     def __init__(self, model, batch_size: int = 1, prefill_chunk: int = 32, compile: bool = False,
                  eos_token_id: int | None = None, skip_guards: bool = True, verify_len: int | None = 5,
-                 rollback_limit: int | None = None):
+                 rollback_limit: int | None = None, quantize: str | None = None):
         super().__init__(model.config, batch_size, prefill_chunk, eos_token_id)
         check_verify_len(verify_len)
+        check_quantize(quantize)
         p = next(model.parameters())
         self.device = p.device
         self.model = shared_copy(model).eval()
+        self.quantize = quantize
+        if quantize is not None:  # before row_linear_: it then finds no nn.Linear to swap
+            quantize_linears_(self.model, quantize)
         self.state = StaticState(model.config, batch_size, prefill_chunk, dtype=p.dtype, device=p.device,
                                  rollback_limit=max(rollback_limit or 0, verify_len or 0))
         self.rollback_limit, self.verify_len = self.state.rollback_limit, verify_len
@@ -102,7 +112,10 @@ class StaticDecoder(HostDecoder):
             # a prefill chunk's projections as F.linear and its experts as one batched matmul
             # (RowExperts), the last-token head of a prompt chunk over B rows
             row_linear_(self.model)
-            if batch_size > 1:
+            # int4, at one row too: its loops are bound by instructions, and the norm's rsqrt
+            # inlined into each of them costs 1.14x the step (bench model; int8: no difference;
+            # docs/performance.md, "Weight-only int8 and int4 against llama.cpp")
+            if batch_size > 1 or quantize == "int4":
                 decode_options = {**STEP_OPTIONS, **ROW_INPUTS_STORED}
         self.module = StepModule(self.model, self.state, per_token_max=few)
         # the RowLinears and RowExperts, whose own copies are packed again before a step once a

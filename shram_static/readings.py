@@ -39,7 +39,9 @@ def decode_read_bytes(model, batch_size: int, prefill_chunk: int, quantize: str 
             the floor of a quantized step counts each linear weight (every projection, the
             experts, the lm_head) as stored (`export/quantize.py`): 1 byte per weight and one
             scale per output channel (int8), or half a byte per weight and one scale per 32
-            inputs (8da4w's int4 layers: input width a multiple of 32, experts excluded).
+            inputs (8da4w's int4 layers: input width a multiple of 32, experts excluded; "int4",
+            the `.onnx`'s and the compiled step's: every layer, the experts counted as the
+            `.onnx` stores them).
             Norms, gates, the router and the state stay in the model's dtype.
     """
     cfg = model.config
@@ -51,7 +53,7 @@ def decode_read_bytes(model, batch_size: int, prefill_chunk: int, quantize: str 
         """Bytes of one (out, inp) linear weight as the step stores it."""
         if quantize is None:
             return out * inp * es
-        if quantize == "8da4w" and inp % group == 0 and not expert:
+        if quantize == "int4" or (quantize == "8da4w" and inp % group == 0 and not expert):
             return out * inp / 2 + out * (inp // group) * es
         return out * inp + out * es  # int8, one scale per output channel
 

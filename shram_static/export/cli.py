@@ -8,6 +8,9 @@ import time
 from ..console import info
 
 FORMATS = ("pte", "onnx", "web")
+# the --quantize modes of each format: the .pte's from torchao, the .onnx's from onnxruntime
+# (the web site runs the fp32 .onnx)
+QUANTIZE = {"pte": ("int8", "8da4w"), "onnx": ("int8", "int4"), "web": ()}
 
 
 def export_main(args) -> int:
@@ -26,8 +29,11 @@ def export_main(args) -> int:
         if args.batch_size != 1:
             raise ValueError("--format web runs one prompt at a time: leave --batch-size at 1")
         find_ort_web()  # a missing runtime says so now, not after minutes of export
-        if "onnx" in formats:
-            formats.remove("onnx")  # the site holds the same model.onnx: written once
+        if "onnx" in formats and args.quantize not in QUANTIZE["onnx"]:
+            formats.remove("onnx")  # the site holds the same fp32 model.onnx: written once
+    if args.quantize and not any(args.quantize in QUANTIZE[f] for f in formats):
+        raise ValueError(f"--quantize {args.quantize} applies to none of {formats} "
+                         f"(pte takes {', '.join(QUANTIZE['pte'])}; onnx takes {', '.join(QUANTIZE['onnx'])})")
     model, tok = load_model_and_tokenizer(args.checkpoint)
     os.makedirs(args.out, exist_ok=True)
     # The stock ExecuTorch runner reads a tokenizer.json: ship the checkpoint's own, else ours.
@@ -40,28 +46,32 @@ def export_main(args) -> int:
     stem = os.path.join(args.out, "model")
     for fmt in formats:
         t = time.perf_counter()
+        quantize = args.quantize if args.quantize in QUANTIZE[fmt] else None
+        if args.quantize and quantize is None:
+            takers = " and ".join(f for f in FORMATS if args.quantize in QUANTIZE[f])
+            info(f"note: --quantize {args.quantize} applies to {takers} only; the .{fmt} stays fp32")
         chunk = ("decode only" if args.decode_only else f"prefill chunk {args.prefill_chunk}, "
                  f"{'every' if args.full_logits else 'the last'} token's logits")
         info(f"exporting {fmt} (batch {args.batch_size}, {chunk}"
-             f"{', ' + args.quantize if args.quantize and fmt == 'pte' else ''}); "
+             f"{', ' + quantize if quantize else ''}); "
              f"lowering can take minutes ...")
         if fmt == "web":
             paths = export_web(model, tok, args.out, None if args.decode_only else args.prefill_chunk,
                                parallel=args.parallel, full_logits=args.full_logits)
             path = paths["index"]
         elif fmt == "pte":
-            suffix = f".{args.quantize}" if args.quantize else ""
+            suffix = f".{quantize}" if quantize else ""
             path = export_pte(model, f"{stem}{suffix}.pte", batch_size=args.batch_size,
                               prefill_chunk=None if args.decode_only else args.prefill_chunk,
-                              quantize=args.quantize, eos_token_id=eos, bos_token_id=tok.bos_token_id,
+                              quantize=quantize, eos_token_id=eos, bos_token_id=tok.bos_token_id,
                               quantize_embedding=args.quantize_embedding, parallel=args.parallel,
                               full_logits=args.full_logits)
         else:
-            if args.quantize:
-                info("note: --quantize applies to .pte only; the .onnx stays fp32")
-            paths = export_onnx(model, f"{stem}.onnx", batch_size=args.batch_size,
+            suffix = f".{quantize}" if quantize else ""
+            paths = export_onnx(model, f"{stem}{suffix}.onnx", batch_size=args.batch_size,
                                 prefill_chunk=None if args.decode_only else args.prefill_chunk,
-                                eos_token_id=eos, parallel=args.parallel, full_logits=args.full_logits)
+                                eos_token_id=eos, parallel=args.parallel, full_logits=args.full_logits,
+                                quantize=quantize)
             path = paths["decode"]
         info(f"wrote {path} in {time.perf_counter() - t:.0f} s")
         print(path)
@@ -83,8 +93,10 @@ def register(subparsers) -> None:
     p.add_argument("--full-logits", action="store_true",
                    help="the prefill step returns every token's logits (for scoring text), not only each "
                         "row's last token's (all generation reads; the lm_head then runs on one token per row)")
-    p.add_argument("--quantize", choices=["int8", "8da4w"], default=None,
-                   help="int8: int8 weights per channel; 8da4w: int4 weights in groups of 32 (.pte only)")
+    p.add_argument("--quantize", choices=["int8", "8da4w", "int4"], default=None,
+                   help="int8: int8 weights (.pte: per channel, int8 activations; .onnx: weight-only, "
+                        "blocks of 32); 8da4w (.pte): int4 weights in groups of 32, int8 activations; "
+                        "int4 (.onnx): weight-only int4 in blocks of 32")
     p.add_argument("--quantize-embedding", action="store_true",
                    help="with --quantize, store the embedding as int8 rows too: a quarter of its bytes, "
                         "same speed, more logit drift")

@@ -37,6 +37,7 @@ from ..step import FunctionalStep
 from .common import ONNX_FORMAT, check_export_args, export_copy, graph_paths
 from .forked import run_jobs
 from .lowering import without_onnx_rewrite_rules
+from .onnx_quantize import ACCURACY_LEVEL, BLOCK, check_onnx_quantize, quantize_graph
 
 _ALIGN = 64  # byte alignment of each tensor in the shared data file
 
@@ -92,7 +93,8 @@ def _externalize(models: list, data_path: str, min_bytes: int = 1024) -> None:
 
 def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32,
                 eos_token_id: int | None = None, *, parallel: bool = True,
-                verify_len: int | None = None, full_logits: bool = False) -> dict[str, str]:
+                verify_len: int | None = None, full_logits: bool = False,
+                quantize: str | None = None) -> dict[str, str]:
     """Writes the decode and prefill graphs and their shared weights (see module docstring).
 
     Args:
@@ -113,6 +115,9 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
             (perplexity) needs. Default False: only each row's last live token's, [B, 1, V],
             which is all generation reads, and the lm_head then runs on B rows instead of
             B x C (the same default as ExecuTorch's llama export, `generate_full_logits`).
+        quantize: None (float weights), "int8" or "int4": every graph's MatMuls with a constant
+            weight become onnxruntime `MatMulNBits` (block-wise, symmetric, blocks of 32 inputs;
+            `onnx_quantize.py`); the metadata (`shram_export`) records the mode and how many.
 
     Returns:
         The paths written, as `graph_paths(path, verify)` (without "prefill" when decode only).
@@ -123,6 +128,7 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
     C = 1 if prefill_chunk is None else prefill_chunk
     check_export_args(cfg, batch_size, C, eos_token_id, parallel=parallel, full_logits=full_logits,
                       verify_len=verify_len)
+    check_onnx_quantize(quantize)
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
     state = StaticState(cfg, batch_size, C, dtype=dtype, rollback_limit=verify_len)
@@ -144,8 +150,13 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
     models = {}
     for role, c in chunks.items():
         m = protos[role]
+        quantized = {}
+        if quantize is not None:
+            m, n = quantize_graph(m, quantize)
+            quantized = {"quantized_matmuls": n, "quantize_block": BLOCK, "accuracy_level": ACCURACY_LEVEL}
         meta = {"format": ONNX_FORMAT, "role": role, "roles": list(chunks), "export_id": export_id,
-                "batch_size": batch_size, "prefill_chunk": C, "chunk": c, "state_names": state.names(),
+                "quantize": quantize, **quantized, "batch_size": batch_size, "prefill_chunk": C, "chunk": c,
+                "state_names": state.names(),
                 "rollback_limit": state.rollback_limit, "verify_len": verify_len, "full_logits": full_logits,
                 "eos_token_id": eos_token_id, "dtype": str(dtype).replace("torch.", "")}
         onnx.helper.set_model_props(m, {"shram_config": cfg.to_json_string(use_diff=False),
