@@ -170,12 +170,26 @@ def row_linear_(model: nn.Module) -> nn.Module:
             m.fused = True  # an instance attribute of the copy's router: the model's stays False
         if isinstance(m, MoSRAH) and type(m.bea) is BEA:
             m.bea = RowExperts(m.bea)
+    return swap_linears_(model, RowLinear)
+
+
+def swap_linears_(model: nn.Module, layer) -> nn.Module:
+    """Replaces, in place, every bias-free `nn.Linear` of `model` by `layer(weight)`, and a tied
+    lm_head (None: the head reads the embedding table) by `layer(embedding weight)`.
+
+    Args:
+        model: a `ShramForCausalLM` copy (the caller's own model is never passed here).
+        layer: a module class or factory taking the (out, in) weight.
+
+    Returns:
+        model.
+    """
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.bias is None:
-                setattr(parent, name, RowLinear(child.weight))
+                setattr(parent, name, layer(child.weight))
     if getattr(model, "lm_head", 0) is None:  # tied: the head reads the embedding table
-        model.lm_head = RowLinear(model.embed_tokens.weight)
+        model.lm_head = layer(model.embed_tokens.weight)
     return model
 
 

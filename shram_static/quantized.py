@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fast_layers import FEW_ROWS, LANES, pack_rows, shared_copy
+from .fast_layers import FEW_ROWS, LANES, pack_rows, shared_copy, swap_linears_
 
 QUANTIZE_MODES = ("int8", "int4")
 GROUP = 32  # inputs per int4 scale (q4_0's block)
@@ -163,14 +163,7 @@ def quantize_linears_(model: nn.Module, mode: str) -> nn.Module:
     check_quantize(mode)
     if mode is None:
         raise ValueError("quantize_linears_ needs a mode")
-    layer = LAYERS[mode]
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.bias is None:
-                setattr(parent, name, layer(child.weight))
-    if getattr(model, "lm_head", 0) is None:  # tied: the head reads the embedding table
-        model.lm_head = layer(model.embed_tokens.weight)
-    return model
+    return swap_linears_(model, LAYERS[mode])
 
 
 def quantized_model(model: nn.Module, mode: str) -> nn.Module:

@@ -371,7 +371,7 @@ export class ShramModel {
   }
 
   /** One step: tokens (one chunk) at `pos`, padded with dead tokens; returns last logits. */
-  async #step(session, chunk, tokens, pos, state) {
+  async #step(sess, chunk, tokens, pos, state) {
     const ids = new BigInt64Array(chunk), live = new Uint8Array(chunk);
     tokens.forEach((t, i) => { ids[i] = BigInt(t); live[i] = 1; });
     const T = this.ort.Tensor;
@@ -387,11 +387,11 @@ export class ShramModel {
       // does; correct because no node reads an old state tensor after writing it).
       const fetches = { logits: null };
       for (const { name } of this.manifest.state) fetches[`present.${name}`] = state[`past.${name}`];
-      out = await session.run(feeds, fetches);
+      out = await sess.run(feeds, fetches);
     } else {
       // onnxruntime-web copies every input into its WASM heap and every output out of it: the
       // outputs are the next step's state
-      out = await session.run(feeds);
+      out = await sess.run(feeds);
       for (const { name } of this.manifest.state) state[`past.${name}`] = out[`present.${name}`];
     }
     const lg = out.logits.data;  // [1, 1 or chunk, V]: the last live token's row
