@@ -72,48 +72,47 @@ def site_for(name: str, out: Path, prefill_chunk: int) -> Path:
     return site
 
 
-class NodeWorker:
-    """benchmarks/web_node_worker.mjs: the site's module under Node, one job per line."""
+class LineWorker:
+    """A node script that takes one JSON job per stdin line and answers one JSON line each."""
 
-    def __init__(self, runtime: str, site: Path):
-        self.p = subprocess.Popen(["node", str(ROOT / "benchmarks" / "web_node_worker.mjs"), runtime, str(site)],
-                                  cwd=ROOT, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    def __init__(self, argv: list, what: str):
+        self.what = what
+        self.p = subprocess.Popen(["node", *argv], cwd=ROOT, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
-    def run(self, ids: list, n: int) -> dict:
-        self.p.stdin.write(json.dumps({"prompt": ids, "options": {"maxNewTokens": n, "eosTokenId": None}}) + "\n")
-        self.p.stdin.flush()
-        r = json.loads(self.p.stdout.readline() or '{"error": "the worker ended early"}')
-        if "error" in r:
-            raise RuntimeError(f"node worker: {r['error']}")
-        return r
-
-    def close(self):
-        self.p.stdin.close()
-        self.p.wait(timeout=60)
-
-
-class Browser:
-    """web/browser.mjs --stdin: one Chromium, one page per URL, one job per line."""
-
-    def __init__(self):
-        self.p = subprocess.Popen(["node", str(ROOT / "web" / "browser.mjs"), "--stdin"], cwd=ROOT, text=True,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-
-    def run(self, url: str, ids: list, n: int) -> dict:
-        self.p.stdin.write(json.dumps({"url": url, "prompt": ids,
-                                       "options": {"maxNewTokens": n, "eosTokenId": None}}) + "\n")
+    def ask(self, job: dict) -> dict:
+        self.p.stdin.write(json.dumps(job) + "\n")
         self.p.stdin.flush()
         line = self.p.stdout.readline()
         if not line:
-            raise RuntimeError("web/browser.mjs ended early (see its stderr above)")
+            raise RuntimeError(f"{self.what} ended early (see its stderr above)")
         r = json.loads(line)
         if "error" in r:
-            raise RuntimeError(f"{url}: {r['error']}; page log: {r.get('logs')}")
+            raise RuntimeError(f"{self.what}: {r['error']}; page log: {r.get('logs')}")
         return r
 
     def close(self):
         self.p.stdin.close()
         self.p.wait(timeout=60)
+
+
+class NodeWorker(LineWorker):
+    """benchmarks/web_node_worker.mjs: the site's module under Node, one job per line."""
+
+    def __init__(self, runtime: str, site: Path):
+        super().__init__([str(ROOT / "benchmarks" / "web_node_worker.mjs"), runtime, str(site)], "node worker")
+
+    def run(self, ids: list, n: int) -> dict:
+        return self.ask({"prompt": ids, "options": {"maxNewTokens": n, "eosTokenId": None}})
+
+
+class Browser(LineWorker):
+    """web/browser.mjs --stdin: one Chromium, one page per URL, one job per line."""
+
+    def __init__(self):
+        super().__init__([str(ROOT / "web" / "browser.mjs"), "--stdin"], "web/browser.mjs")
+
+    def run(self, url: str, ids: list, n: int) -> dict:
+        return self.ask({"url": url, "prompt": ids, "options": {"maxNewTokens": n, "eosTokenId": None}})
 
 
 def python_rate(dec, ids: torch.Tensor, n: int) -> float:
