@@ -6,7 +6,10 @@ The site (any static file server can serve it):
   * `shram.mjs`: the ES module that owns the tokenizer, the graphs, the state, sampling and
     stopping (the same module runs under Node with onnxruntime-node);
   * `shram.json`: what the module needs to know (files, state tensors, chunk, capacity, tokens);
-  * `model.onnx`, `model.prefill.onnx`, `model.onnx.data`: `export_onnx`'s graphs, batch 1;
+  * `model.onnx`, `model.prefill.onnx`, `model.onnx.data`: `export_onnx`'s graphs, batch 1
+    (what onnxruntime-node runs, each state output bound to its input's buffer);
+  * `model.rows.onnx`, `model.rows.prefill.onnx`: the same graphs returning the rows each step
+    writes instead of the whole new state (`row_writes_graph`: what onnxruntime-web runs);
   * `tokenizer.json` (+ `tokenizer_config.json` for the byte tokenizer);
   * the onnxruntime-web runtime (`ort.wasm.min.mjs` and its WASM), copied from the npm package
     that the project's `package.json` brings (`npm ci`).
@@ -63,6 +66,62 @@ def ort_web_version(dist: Path) -> str:
         return json.load(f)["version"]
 
 
+def row_writes_graph(src: str, dst: str) -> str:
+    """Writes a copy of an `export_onnx` graph whose outputs are, instead of each
+    `present.<name>`, the rows the step wrote into it: `write.<name>.index` ([n, 1] int64 rows
+    of the flat state tensor) and `write.<name>.rows` ([n, ...] their new values), in write order.
+
+    WHY: onnxruntime-web's CPU backend copies every output out of its WASM heap into a new
+    JavaScript array after each run and cannot write into a preallocated one, so returning the
+    whole state (2.4 MB on the built-in model) cost about half of a decode step in Chromium;
+    the rows a step writes are a few KB. The module applies them to the state it holds (last
+    write wins, as ScatterND: only the sink row, which no query reads, is written twice).
+
+    Args:
+        src: the graph (its weights stay in the external data file it names).
+        dst: where the copy goes (beside src, so the same data file serves both).
+
+    Returns:
+        dst.
+
+    Raises:
+        ValueError: a `present.<name>` output that is not one ScatterND of `past.<name>`.
+    """
+    import onnx
+    from onnx import helper
+
+    m = onnx.load(src, load_external_data=False)
+    g = m.graph
+    made = {o: n for n in g.node for o in n.output}
+    typed = {v.name: v for v in [*g.value_info, *g.input, *g.output]}
+    if not all(n.input[i] in typed for n in g.node if n.op_type == "ScatterND" for i in (1, 2)):
+        m = onnx.shape_inference.infer_shapes(m)
+        g = m.graph
+        typed = {v.name: v for v in [*g.value_info, *g.input, *g.output]}
+    outputs = []
+    for o in g.output:
+        if not o.name.startswith("present."):
+            outputs.append(o)
+            continue
+        name = o.name.removeprefix("present.")
+        n = made.get(o.name)
+        if n is None or n.op_type != "ScatterND" or n.input[0] != f"past.{name}":
+            raise ValueError(f"{src}: output {o.name} is not a ScatterND of past.{name}; "
+                             f"cannot return its written rows")
+        for part, value in (("index", n.input[1]), ("rows", n.input[2])):
+            out = f"write.{name}.{part}"
+            g.node.append(helper.make_node("Identity", [value], [out], name=f"{out}.identity"))
+            v = onnx.ValueInfoProto()
+            v.CopyFrom(typed[value])
+            v.name = out
+            outputs.append(v)
+    del g.output[:]
+    g.output.extend(outputs)
+    onnx.save(m, dst)
+    onnx.checker.check_model(dst)  # by path: the weights' data file is found beside it
+    return dst
+
+
 def _tokenizer_entry(tok, out_dir: str) -> dict:
     """Writes the tokenizer's files into the site; returns the manifest's `tokenizer` entry."""
     entry = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "file": TOKENIZER_FILE}
@@ -106,6 +165,10 @@ def export_web(model, tokenizer, out_dir, prefill_chunk: int | None = 32, *, par
     tok_entry = _tokenizer_entry(tokenizer, out_dir)
     paths = export_onnx(model, os.path.join(out_dir, "model.onnx"), batch_size=1, prefill_chunk=prefill_chunk,
                         eos_token_id=tokenizer.eos_token_id, parallel=parallel, full_logits=full_logits)
+    for role in ("decode", "prefill"):
+        if role in paths:  # model.onnx -> model.rows.onnx, model.prefill.onnx -> model.rows.prefill.onnx
+            rows = os.path.join(out_dir, "model.rows" + os.path.basename(paths[role]).removeprefix("model"))
+            paths[f"{role}_rows"] = row_writes_graph(paths[role], rows)
     graph = onnx.load(paths["decode"], load_external_data=False).graph
     state = [{"name": i.name.removeprefix("past."), "type": _ONNX_TYPES[i.type.tensor_type.elem_type],
               "dims": [d.dim_value for d in i.type.tensor_type.shape.dim]}

@@ -333,8 +333,11 @@ export class ShramModel {
       const data = await readBytes(base, files.data);
       const graph = async (f) => ort.InferenceSession.create(await readBytes(base, f), {
         executionProviders: ["wasm"], externalData: [{ path: files.data, data }], ...opts });
-      model = new ShramModel(ort, manifest, tokenizer, await graph(files.decode),
-        files.prefill ? await graph(files.prefill) : null);
+      // the graphs that return the rows each step writes (export_web's row_writes_graph), where
+      // the site has them: onnxruntime-web copies every output out of its heap
+      const decode = files.decode_rows ?? files.decode, prefill = files.prefill_rows ?? files.prefill;
+      model = new ShramModel(ort, manifest, tokenizer, await graph(decode), prefill ? await graph(prefill) : null);
+      model.rowWrites = !!files.decode_rows;
     } else {
       // onnxruntime-node finds the weights file beside the graph
       if (threads) opts.intraOpNumThreads = threads;
@@ -357,6 +360,7 @@ export class ShramModel {
     this.prefillChunk = prefill ? manifest.prefill_chunk : 1;
     this.vocabSize = manifest.vocab_size;
     this.busy = false;
+    this.rowWrites = false;  // set by load for onnxruntime-web (see #step)
   }
 
   /** The state before any token: zeros (finite; stale slots are masked by position). */
@@ -388,9 +392,18 @@ export class ShramModel {
       const fetches = { logits: null };
       for (const { name } of this.manifest.state) fetches[`present.${name}`] = state[`past.${name}`];
       out = await sess.run(feeds, fetches);
-    } else {
+    } else if (this.rowWrites) {
       // onnxruntime-web copies every input into its WASM heap and every output out of it: the
-      // outputs are the next step's state
+      // graph returns only the rows it wrote, applied here to the state this module holds
+      // (in write order: the last write to a row wins, as in the graph)
+      out = await sess.run(feeds);
+      for (const { name } of this.manifest.state) {
+        const at = out[`write.${name}.index`].data, rows = out[`write.${name}.rows`].data;
+        const dst = state[`past.${name}`].data, w = rows.length / at.length;
+        for (let i = 0; i < at.length; i++) dst.set(rows.subarray(i * w, (i + 1) * w), Number(at[i]) * w);
+      }
+    } else {
+      // a site without the row-writes graphs: the outputs are the next step's state
       out = await sess.run(feeds);
       for (const { name } of this.manifest.state) state[`past.${name}`] = out[`present.${name}`];
     }
