@@ -95,6 +95,47 @@ def test_site_files(site):
     assert [s["name"] for s in m["state"]] == json.loads(props["shram_export"])["state_names"]
 
 
+def test_row_writes_graphs_write_what_the_state_graphs_return(site):
+    """The graphs onnxruntime-web runs return the rows each step writes; written into the state
+    in order, they give exactly the next state the plain graph returns (onnxruntime, 6 decode
+    steps of real tokens, each checked)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    m = json.loads((site / "shram.json").read_text())
+    assert m["files"]["decode_rows"] == "model.rows.onnx" and m["files"]["prefill_rows"] == "model.rows.prefill.onnx"
+    plain = ort.InferenceSession(str(site / "model.onnx"))
+    rows = ort.InferenceSession(str(site / "model.rows.onnx"))
+    names = [s["name"] for s in m["state"]]
+    assert [o.name for o in rows.get_outputs()] == ["logits", *[f"write.{n}.{p}" for n in names for p in ("index", "rows")]]
+    state = {f"past.{n}": np.zeros(s["dims"], np.int64 if s["type"] == "int64" else np.float32)
+             for n, s in zip(names, m["state"])}
+    for pos, tok in enumerate(ByteTokenizer().encode("ROMEO: x")[:6]):
+        feeds = {"input_ids": np.array([[tok]]), "position_ids": np.array([pos]), "live": np.array([[True]]), **state}
+        want = dict(zip([o.name for o in plain.get_outputs()], plain.run(None, feeds)))
+        got = dict(zip([o.name for o in rows.get_outputs()], rows.run(None, feeds)))
+        np.testing.assert_array_equal(got["logits"], want["logits"])
+        for n in names:
+            new = state[f"past.{n}"].copy()
+            for i, r in zip(got[f"write.{n}.index"][:, 0], got[f"write.{n}.rows"]):
+                new[i] = r
+            np.testing.assert_array_equal(new, want[f"present.{n}"], err_msg=n)
+            state[f"past.{n}"] = new
+
+
+def test_row_writes_graph_refuses_a_state_output_it_cannot_split(tmp_path):
+    from onnx import TensorProto, helper
+
+    from shram_static.export.web import row_writes_graph
+    x = helper.make_tensor_value_info("past.s", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("present.s", TensorProto.FLOAT, [2, 3])
+    g = helper.make_graph([helper.make_node("Relu", ["past.s"], ["present.s"])], "g", [x], [y])
+    onnx.save(helper.make_model(g), str(tmp_path / "m.onnx"))
+    with pytest.raises(ValueError, match="present.s is not a ScatterND of past.s"):
+        row_writes_graph(str(tmp_path / "m.onnx"), str(tmp_path / "m.rows.onnx"))
+    assert not (tmp_path / "m.rows.onnx").exists()
+
+
 @pytest.mark.parametrize("runtime", ["node", "web"])
 def test_node_greedy_matches_python(site, python_greedy, tmp_path, runtime):
     res = generate_in_node(site, tmp_path, runtime, [{"prompt": p, "options": {"maxNewTokens": N_NEW}}
