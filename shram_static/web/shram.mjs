@@ -454,10 +454,10 @@ export class ShramModel {
       const random = seededRandom(seed ?? Math.floor(Math.random() * 2 ** 32));
       const pick = (lg) => (greedy ? argmax(lg) : sample(lg, { temperature, topK, topP }, random));
       const state = this.#zeroState();
-      const C = this.prefillChunk, session = this.prefillSession ?? this.decodeSession;
+      const C = this.prefillChunk, promptSession = this.prefillSession ?? this.decodeSession;
       let logits = null;
       for (let i = 0; i < ids.length; i += C) {
-        logits = await this.#step(session, C, ids.slice(i, i + C), i, state);
+        logits = await this.#step(promptSession, C, ids.slice(i, i + C), i, state);
       }
       const out = [], dec = this.tokenizer.decoder(), eos = eosTokenId;
       let text = "", ttft = 0, tDecode = 0, stopped = "length", yielded = performance.now();
