@@ -11,7 +11,7 @@ compiled backend: a cold compile, each worker with an empty Inductor cache of it
 load one after the other). An exported backend (`pte`,
 `pte-int8`, `onnx`, ...) is exported once, here, and both workers load that file.
 
-    python benchmarks/stock_ab.py persistent_scratch [--model bench] [--batch-size 4] [--rounds 8]
+    python benchmarks/stock_ab.py isa_check_ahead,batched_kernel_builds [--model bench] [--batch-size 4] [--rounds 8]
     python benchmarks/stock_ab.py xnnpack_weight_cache --model bench --backend pte
     python benchmarks/stock_ab.py batched_kernel_builds --model bench --cold-rounds 2
 

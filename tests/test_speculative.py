@@ -79,7 +79,7 @@ class Recorder:
 
 @pytest.mark.parametrize("source", ["plain", "lookup", "draft"])
 def test_generation_checks_the_prompt_not_each_step(pair, monkeypatch, source):
-    """`generate`'s loops feed the tokens they pick through `_feed`, without the public methods'
+    """`generate`'s loops feed the tokens they pick through `feed`, without the public methods'
     input checks: the ids are checked as often for 6 new tokens as for 24 (the prompt only).
     A loop that went back to `decode` / `verify` / `rollback` would check once per step."""
     from shram_static import host, validation
