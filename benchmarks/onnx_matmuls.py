@@ -47,7 +47,7 @@ def interleaved(runs: list, rounds: int, steps: int) -> tuple[dict, float, list]
     Returns:
         ({name: median ms per call}, median bandwidth in bytes/s, the bandwidth readings).
     """
-    from shram_static.readings import measure_bandwidth
+    from shram_static.bench.readings import measure_bandwidth
 
     def ms(fn) -> float:
         for _ in range(3):

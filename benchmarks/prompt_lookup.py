@@ -122,7 +122,7 @@ def oracle_cost(prompt: list[int], new: list[int], verify_cost: float, k: int = 
 
 
 def main(argv=None) -> int:
-    from shram_static.arguments import positive_int
+    from shram_static.console import positive_int
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin")
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from shram_static import StaticDecoder
     from shram_static.bench import build_model
-    from shram_static.bench_speculative import PROMPTS
+    from shram_static.bench.speculative import PROMPTS
     from shram_static.speculative import LOOKUP_NGRAMS, PROBE_EVERY
     from shram_static.tokenizer import ByteTokenizer
 

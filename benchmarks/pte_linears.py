@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     from shram_static.bench import build_model
     from shram_static.export import export_pte, load_pte
     from shram_static.export.pte_runtime import torch_threads
-    from shram_static.readings import decode_read_bytes
+    from shram_static.bench.readings import decode_read_bytes
 
     model = build_model(args.model).eval()
     linears, nbytes = linear_layers(model, args.quantize)

@@ -11,9 +11,8 @@ import contextlib
 import sys
 import time
 
-from .arguments import positive_int
 from .backends import BACKENDS
-from .console import info
+from .console import info, positive_int
 
 
 def generate(args) -> int:
@@ -100,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     _add_generate(subparsers)
-    from . import bench, bench_speculative, evaluate, train
+    from . import bench, evaluate, train
+    from .bench import speculative as bench_speculative
     from .export import cli as export_cli
     bench.register(subparsers)
     bench_speculative.register(subparsers)

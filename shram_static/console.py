@@ -1,9 +1,22 @@
-"""Progress and status lines of the commands: to stderr, flushed, so stdout stays the result."""
+"""What the commands share: argparse types, and progress and status lines (to stderr, flushed,
+so stdout stays the result)."""
 
+import argparse
 import contextlib
 import logging
 import sys
 import warnings
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
 def info(msg: str) -> None:

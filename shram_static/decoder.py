@@ -114,7 +114,7 @@ class StaticDecoder(HostDecoder):
             row_linear_(self.model)
             # int4, at one row too: its loops are bound by instructions, and the norm's rsqrt
             # inlined into each of them costs 1.14x the step (bench model; int8: no difference;
-            # docs/performance.md, "Weight-only int8 and int4 against llama.cpp")
+            # docs/performance.md, "Quantization")
             if batch_size > 1 or quantize == "int4":
                 decode_options = {**STEP_OPTIONS, **ROW_INPUTS_STORED}
         self.module = StepModule(self.model, self.state, per_token_max=few)

@@ -15,9 +15,8 @@ import os
 import sys
 import time
 
-from .arguments import positive_int
 from .backends import BACKENDS, make_decoder
-from .console import info
+from .console import info, positive_int
 
 
 def read_text_bytes(path, max_bytes: int | None = None) -> bytes:

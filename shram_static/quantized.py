@@ -5,8 +5,7 @@ gpt-fast style: plain modules holding plain buffers (an integer weight and float
 tensor subclass. WHY no torchao config: its quantized weights are tensor subclasses, which the
 compiled step's per-layer nested region (invoke_subgraph) refuses, and with the layers inlined
 Inductor lowers its int8 weight-only linear to an fp32 matmul over a converted copy of the
-weight (5.4x the fp32 step's time on the bench model; docs/performance.md, "Quantized compiled
-steps").
+weight (5.4x the fp32 step's time on the bench model; docs/performance.md, "Quantization").
 
 * `Int8Linear`: int8 weights, one scale per output channel (symmetric, amax / 127).
 * `Int4Linear`: 4-bit weights, two per byte, one scale per group of GROUP inputs of an output

@@ -18,8 +18,7 @@ import random
 import sys
 import time
 
-from .arguments import positive_int
-from .console import info
+from .console import info, positive_int
 from .kernel_builds import batched_builds
 
 TRAIN_STATE_FILE = "train_state.pt"

@@ -206,19 +206,14 @@ def lowering_work(ours_module, ours_program):
     """Counts what a `.pte` lowering does inside the block; yields a dict of lists:
     "traces" (one entry per trace of our graph: `torch.export.export` of a module
     `ours_module` accepts, `ExportedProgram.run_decompositions` of a program `ours_program`
-    accepts, `lowering.export_decomposed`), "passes" (the class name of every outermost fx graph
-    pass run) and "delegate_runs" (one per run of a delegate's original program). The patches
-    wrap the stock functions and are undone on exit."""
-    import importlib
-
+    accepts, `lowering.export_decomposed`) and "passes" (the class name of every outermost fx
+    graph pass run). The patches wrap the stock functions and are undone on exit."""
     from torch.fx.passes.infra.pass_base import PassBase
 
     from shram_static.export import lowering
 
-    work = {"traces": [], "passes": [], "delegate_runs": []}
-    hop = importlib.import_module("torch._higher_order_ops.executorch_call_delegate")
-    run_delegate, decompose, export = hop.call_delegate_cpu, torch.export.ExportedProgram.run_decompositions, \
-        torch.export.export
+    work = {"traces": [], "passes": []}
+    decompose, export = torch.export.ExportedProgram.run_decompositions, torch.export.export
     one, run_pass, depth = lowering.export_decomposed, PassBase.__call__, []
 
     def outermost(self, gm):
@@ -233,7 +228,6 @@ def lowering_work(ours_module, ours_program):
     traced = lambda: work["traces"].append(1)
     with contextlib.ExitStack() as stack:
         patch = lambda obj, name, fn: stack.enter_context(unittest.mock.patch.object(obj, name, fn))
-        patch(hop, "call_delegate_cpu", lambda *a: work["delegate_runs"].append(1) or run_delegate(*a))
         patch(torch.export.ExportedProgram, "run_decompositions",
               lambda self, *a, **k: (traced() if ours_program(self) else None) or decompose(self, *a, **k))
         patch(torch.export, "export",
@@ -244,11 +238,13 @@ def lowering_work(ours_module, ours_program):
 
 
 # The golden case whose decode-only `.pte` test_accelerators.py lowers with and without the
-# lowering accelerators (and checks against the golden logits), and those accelerators.
+# lowering accelerators (and checks against the golden logits), and those accelerators (every
+# one `lowering.lowering_speedups` and `export_and_lower` apply).
 STOCK_LOWERING_CASE = "main_basic"
 LOWERING_ACCELERATORS = ("one_trace_lowering", "needed_xnnpack_passes", "needed_edge_passes",
-                         "one_edge_conversion_trace", "delegate_outputs_from_metadata", "linear_partitioning",
-                         "shared_provenance", "lazy_recompiles", "cached_type_hints", "mutable_buffers_listed_once")
+                         "one_edge_conversion_trace", "linear_partitioning", "lazy_recompiles")
+
+
 def check_verify_step(dec, model) -> None:
     """An exported decoder with a verify step of 4 tokens (`verify_len=4`) against the eager
     `StaticDecoder`: verify, a per-row rollback, decode, and speculative greedy generation

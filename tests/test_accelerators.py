@@ -41,7 +41,7 @@ def test_unverified_release_runs_the_stock_path_with_one_debug_line(fresh, caplo
     fresh.setattr(accelerators, "installed_version", lambda d: "2.99.0" if d == "torch" else real(d))
     caplog.set_level(logging.DEBUG, logger="shram_static.accelerators")
     assert not enabled("batched_kernel_builds") and not enabled("batched_kernel_builds")
-    assert enabled("cached_type_hints") == (real("executorch") in accelerators.EXECUTORCH)  # no torch in it
+    assert enabled("needed_xnnpack_passes") == (real("executorch") in accelerators.EXECUTORCH)  # no torch in it
     lines = [r for r in caplog.records if "batched_kernel_builds" in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.DEBUG
     assert "torch 2.99.0" in lines[0].getMessage() and "stock path" in lines[0].getMessage()
@@ -105,8 +105,7 @@ def test_stock_lowering_writes_the_same_program_and_tokens(tmp_path, caplog):
     program gives the golden logits and tokens (for this case, test_export_pte.py's golden check
     of a decode-only program). The accelerated lowering does less work for
     it: one trace for export and decomposition (stock: four), one trace for the per-op edge
-    conversions (stock: four passes), views to copies in place (stock: a re-trace), and no run
-    of a delegate's original program when re-tracing (stock: every one). XNNPACK's notice
+    conversions (stock: four passes) and views to copies in place (stock: a re-trace). XNNPACK's notice
     against the two-step flow (whose support filter the fast path applies itself) is not shown."""
     from executorch.exir.program import _program
 
@@ -134,7 +133,6 @@ def test_stock_lowering_writes_the_same_program_and_tokens(tmp_path, caplog):
     assert _program._generate_edge_program is generate  # the accelerators restored what they patch
     assert fast == slow
     assert (len(stock_work["traces"]), len(fast_work["traces"])) == (4, 1)
-    assert len(stock_work["delegate_runs"]) > 0 and len(fast_work["delegate_runs"]) == 0
     sp, fp = stock_work["passes"], fast_work["passes"]
     assert [sp.count(p) for p in _PER_OP_EDGE_PASSES] == [1] * len(_PER_OP_EDGE_PASSES)
     assert [fp.count(p) for p in _PER_OP_EDGE_PASSES] == [0] * len(_PER_OP_EDGE_PASSES)

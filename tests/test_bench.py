@@ -68,7 +68,7 @@ def test_a_quantized_floor_counts_the_linear_weights_as_stored(tied):
     step reads (projections, K of L experts, the head) at 1 byte (int8) or half a byte (int4
     groups of 32 inputs, experts excluded) plus an fp32 scale per output channel or group."""
     from shram_static.export.quantize import GROUP
-    from shram_static.readings import decode_read_bytes
+    from shram_static.bench.readings import decode_read_bytes
 
     cfg = ShramConfig(**{**TINY_CONFIG, "tie_word_embeddings": tied})
     model = ShramForCausalLM(cfg)
@@ -238,7 +238,7 @@ def test_steal_is_read_from_proc_stat(tmp_path):
 def test_bandwidth_readings_of_two_memory_speeds_are_flagged():
     """Readings within 1.5x of each other are noise (no warning); further apart, the run met two
     memory speeds and says so, with the spread."""
-    from shram_static.readings import bandwidth_spread
+    from shram_static.bench.readings import bandwidth_spread
     assert bandwidth_spread([35e9, 37e9, 41e9, 52e9]) is None
     assert bandwidth_spread([]) is None
     msg = bandwidth_spread([36.6e9, 67.8e9, 71.4e9])

@@ -312,7 +312,7 @@ def test_benchmarks_time_each_run_in_alternating_rounds(monkeypatch):
     """`onnx_matmuls.interleaved` (which `pte_linears.py` shares) calls every run `steps` + 3
     times per round, reverses the order every other round and reads the bandwidth after each
     round."""
-    from shram_static import readings
+    from shram_static.bench import readings
 
     mod = load_benchmark("onnx_matmuls")
     calls, readings_taken = [], []

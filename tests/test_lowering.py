@@ -13,13 +13,7 @@ import unittest.mock
 
 import torch
 
-from helpers import needs
-
-
-# Every accelerator `lowering_speedups` applies (shram_static/accelerators.py).
-LOWERING = ("one_trace_lowering", "needed_xnnpack_passes", "needed_edge_passes", "one_edge_conversion_trace",
-            "delegate_outputs_from_metadata", "linear_partitioning", "shared_provenance", "lazy_recompiles",
-            "cached_type_hints", "mutable_buffers_listed_once")
+from helpers import LOWERING_ACCELERATORS, needs
 
 
 def _graph(*calls) -> torch.fx.GraphModule:
@@ -89,19 +83,6 @@ def test_pass_filter_is_scoped():
     assert XNNPACKPassManager(ep).passes == default
 
 
-@needs('shared_provenance')
-def test_shared_provenance_is_scoped():
-    """NodeSource deep copies are shared inside the block only."""
-    from torch.fx.traceback import NodeSource
-
-    from shram_static.export.bookkeeping import shared_provenance
-
-    ns = NodeSource(None, "p")
-    with shared_provenance():
-        assert copy.deepcopy([ns])[0] is ns
-    assert copy.deepcopy(ns) is not ns and "__deepcopy__" not in NodeSource.__dict__
-
-
 @needs('lazy_recompiles')
 def test_lazy_recompiles_generate_the_code_of_the_current_graph():
     """In the block a recompile generates no code until the module runs or its code is read,
@@ -109,7 +90,7 @@ def test_lazy_recompiles_generate_the_code_of_the_current_graph():
     GraphModule is restored."""
     from torch.fx import GraphModule
 
-    from shram_static.export.bookkeeping import lazy_recompiles
+    from shram_static.export.recompiles import lazy_recompiles
 
     def edit(gm, fn):  # the one operation becomes `fn`
         for n in gm.graph.nodes:
@@ -137,63 +118,6 @@ def test_lazy_recompiles_generate_the_code_of_the_current_graph():
         edit(pending, operator.mul)  # left pending at the end of the block
     assert GraphModule.recompile is real
     assert "a * 1.0" in pending._code and torch.equal(pending(x), x * 1.0)
-
-
-@needs('cached_type_hints')
-def test_cached_type_hints_write_the_same_json():
-    """ExecuTorch's dataclass encoder writes the same JSON with a class's type hints looked up
-    once; restored after."""
-    import json
-    import typing
-
-    from executorch.exir._serialize import _dataclass
-    from executorch.exir.schema import Bool, EValue, Int
-
-    from shram_static.export.bookkeeping import cached_type_hints
-
-    values = [EValue(Int(3)), EValue(Bool(True)), EValue(Int(5))]  # `val` is a Union: *_type keys
-    want = json.dumps(values, cls=_dataclass._DataclassEncoder)
-    looked_up = []
-    hints = typing.get_type_hints
-    with unittest.mock.patch.object(typing, "get_type_hints", lambda c: looked_up.append(c) or hints(c)):
-        with cached_type_hints():
-            assert json.dumps(values, cls=_dataclass._DataclassEncoder) == want
-    assert looked_up.count(EValue) == 1 and len(set(looked_up)) == len(looked_up)
-    assert _dataclass.get_type_hints is hints and "val_type" in want
-
-
-@needs('mutable_buffers_listed_once')
-def test_mutable_buffers_listed_once_answers_as_executorch():
-    """During memory planning, whether a node is a mutated state buffer is answered from one
-    listing per signature, as ExecuTorch's own check answers it for every node it asks about
-    (the `_Mixed` module writes two buffers); outside the block, the stock check again."""
-    from executorch.exir import ExecutorchBackendConfig, to_edge, memory_planning
-
-    from shram_static.export.bookkeeping import mutable_buffers_listed_once
-
-    stock = memory_planning._is_mutable_buffer
-    edge = to_edge(_exported(_methods()))
-    answers = []
-    with mutable_buffers_listed_once():
-        listed = memory_planning._is_mutable_buffer
-        assert listed is not stock
-        spy = lambda node, sig=None: answers.append((listed(node, sig), stock(node, sig))) or answers[-1][0]  # noqa: E731
-        with unittest.mock.patch.object(memory_planning, "_is_mutable_buffer", spy):
-            edge.to_executorch(ExecutorchBackendConfig(run_reinplace_pass=True))
-    assert memory_planning._is_mutable_buffer is stock
-    assert len(answers) > 20 and all(a == b for a, b in answers), answers
-    assert sum(a for a, _ in answers) >= 2  # both written buffers found
-    # ... and from the listing: the signature's input map is built far less often.
-    from torch.export.graph_signature import ExportGraphSignature
-
-    reads, prop = [], ExportGraphSignature.inputs_to_buffers
-    counted = property(lambda sig: reads.append(1) or prop.fget(sig))
-    with unittest.mock.patch.object(ExportGraphSignature, "inputs_to_buffers", counted):
-        to_edge(_exported(_methods())).to_executorch(ExecutorchBackendConfig(run_reinplace_pass=True))
-        n_stock = len(reads)
-        with mutable_buffers_listed_once():
-            to_edge(_exported(_methods())).to_executorch(ExecutorchBackendConfig(run_reinplace_pass=True))
-    assert len(reads) - n_stock < n_stock - 20, (n_stock, len(reads) - n_stock)
 
 
 def test_written_cache_views_rebased_on_the_buffer():
@@ -443,7 +367,7 @@ def _without_offsets(buffer: bytes):
     return pte
 
 
-@needs(*LOWERING)
+@needs(*LOWERING_ACCELERATORS)
 def test_a_method_lowered_elsewhere_emits_the_same_program():
     """A lowered method sent as `edge_program_to_value`, pickled and rebuilt by
     `edge_program_from_value` (what `lower_program(parallel=True)` does with the method lowered

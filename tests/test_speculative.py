@@ -187,7 +187,7 @@ def test_bench_speculative_times_every_fed_step_and_leaves_the_decoder_as_it_was
     """`HostDecoder.timed_feeds`, the benchmark's timer, sees each step `generate` feeds (one
     per token after the first for plain greedy; the verify and decode steps speculation
     counts), and records nothing afterwards, also when the block raises."""
-    from shram_static.bench_speculative import _split
+    from shram_static.bench.speculative import _split
     dec = StaticDecoder(tiny_model(num_decoder_layers=1), batch_size=1, prefill_chunk=4, verify_len=4)
     ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
     with dec.timed_feeds(time.perf_counter) as feeds:

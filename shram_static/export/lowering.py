@@ -15,9 +15,9 @@ import logging
 import torch
 
 from ..accelerators import enabled
-from .bookkeeping import cached_type_hints, lazy_recompiles, mutable_buffers_listed_once, shared_provenance
 from .decompose import export_decomposed
 from .edge_conversion import _pass_name, one_edge_conversion_trace
+from .recompiles import lazy_recompiles
 
 
 def _op_name(node) -> str:
@@ -205,55 +205,6 @@ def needed_edge_passes_only():
     finally:
         _program._get_aten_to_edge_passes = get
         _program.edge_to_executorch_passes = to_et
-
-
-@contextlib.contextmanager
-def delegate_outputs_from_metadata():
-    """Within the block, a delegate call traced with fake tensors returns fake outputs shaped as
-    its lowered program's recorded outputs instead of re-running that whole program.
-
-    WHY: `to_executorch` re-traces each method once (`SpecPropPass`), and torch's fake
-    implementation of `executorch_call_delegate` runs `original_module.module()` of every
-    delegate: it unlifts the partition's ExportedProgram into a new GraphModule and interprets
-    all of its nodes (about half of an int8 program's `to_executorch`). The result is only
-    used for its shapes, strides and dtypes, which the partition's output nodes already record
-    (the partition is lowered: nothing changes it after). Outside fake tracing (running a
-    lowered module eagerly) the stock implementation runs. tests/test_lowering.py compares the
-    emitted bytes with the stock lowering. The fake and proxy implementations read
-    `call_delegate_cpu` from the module when they run, so it is swapped for the block only;
-    runs only on the releases it was verified on (shram_static/accelerators.py).
-    """
-    if not enabled("delegate_outputs_from_metadata"):  # off: the stock path
-        yield
-        return
-    import importlib
-
-    from torch._guards import detect_fake_mode
-    from torch.export.graph_signature import OutputKind
-    from torch.utils import _pytree as pytree
-
-    # The module, not the operator its package exports under the same name.
-    hop = importlib.import_module("torch._higher_order_ops.executorch_call_delegate")
-    run = hop.call_delegate_cpu
-
-    def outputs_from_metadata(lowered_module, *args):
-        mode = detect_fake_mode(pytree.tree_leaves(args))
-        if mode is None:
-            return run(lowered_module, *args)
-        ep = lowered_module.original_module
-        outs = ep.graph.output_node().args[0]
-        vals = [n.meta["val"] for n, spec in zip(outs, ep.graph_signature.output_specs)
-                if spec.kind == OutputKind.USER_OUTPUT]
-        with torch._subclasses.fake_tensor.unset_fake_temporarily():
-            real = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype) for v in vals]
-        fakes = [mode.from_tensor(t, static_shapes=True) for t in real]
-        return pytree.tree_unflatten(fakes, ep.call_spec.out_spec)
-
-    hop.call_delegate_cpu = outputs_from_metadata
-    try:
-        yield
-    finally:
-        hop.call_delegate_cpu = run
 
 
 def _can_merge_partitions(self, p1, p2, partitions_by_id) -> bool:
@@ -462,10 +413,9 @@ def _stock_lower(methods: dict, partitioner, constant_methods: dict, compile_con
 
 @contextlib.contextmanager
 def lowering_speedups():
-    """Within the block, every speed-up of this module and of `bookkeeping` that leaves the
-    lowered program as it is (what `pte.lower_program` lowers and emits under; the tests
-    compare its bytes with the stock lowering's)."""
-    with shared_provenance(), lazy_recompiles(), cached_type_hints(), mutable_buffers_listed_once(), \
-            needed_edge_passes_only(), one_edge_conversion_trace(), needed_xnnpack_passes_only(), \
-            faster_partitioning(), delegate_outputs_from_metadata():
+    """Within the block, every speed-up of this module and of `recompiles` that leaves the lowered
+    program as it is (what `pte.lower_program` lowers and emits under; the tests compare its bytes
+    with the stock lowering's)."""
+    with lazy_recompiles(), needed_edge_passes_only(), one_edge_conversion_trace(), needed_xnnpack_passes_only(), \
+            faster_partitioning():
         yield

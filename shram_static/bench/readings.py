@@ -7,7 +7,7 @@ import time
 import torch
 from torch import nn
 
-from .layers import BEA
+from ..layers import BEA
 
 
 def bandwidth_buffer() -> torch.Tensor:

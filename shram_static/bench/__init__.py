@@ -1,5 +1,8 @@
 """Throughput benchmark: `shram-static bench` (or `python -m shram_static.bench`).
 
+The package holds the benchmark commands: this one, `speculative` (`shram-static
+bench-speculative`), and their `readings` of the machine and the model and `plot`.
+
 For each model (the bench config, the built-in model, or a checkpoint), backend
 (eager, compiled, compiled-int8/int4, pte, pte-int8, onnx, onnx-int8/int4) and batch size it
 reports decode ms/step over a range of contexts (64 up to near capacity), prefill tokens/s,
@@ -31,8 +34,8 @@ import time
 
 import torch
 
-from .backends import BACKENDS
-from .console import info
+from ..backends import BACKENDS
+from ..console import info
 from .readings import (bandwidth_buffer, bandwidth_spread, cpu_times, decode_read_bytes, measure_bandwidth,
                        peak_rss_mib, steal_fraction)
 
@@ -65,10 +68,10 @@ def float_partner(backend: str) -> str | None:
 
 def build_model(name: str):
     """'bench' (the bench config, seeded weights), 'builtin', or a checkpoint directory."""
-    from .config import ShramConfig
-    from .model import ShramForCausalLM
+    from ..config import ShramConfig
+    from ..model import ShramForCausalLM
     if name == "builtin":
-        from .default_model import default_model
+        from ..default_model import default_model
         return default_model()
     if name == "bench":
         with torch.random.fork_rng(devices=[]):
@@ -92,7 +95,7 @@ def artifact_path(out_dir: str, backend: str) -> str:
 
 def export_one(model_name: str, backend: str, batch_size: int, prefill_chunk: int, out_dir: str) -> dict:
     """Exports one artifact in this process; returns export time and file size."""
-    from .export import export_onnx, export_pte
+    from ..export import export_onnx, export_pte
     model = build_model(model_name)
     path = artifact_path(out_dir, backend)
     t = time.perf_counter()
@@ -118,8 +121,8 @@ class Runner:
 
     def __init__(self, model_name: str, backend: str, batch_size: int, prefill_chunk: int, steps: int,
                  out_dir: str | None = None):
-        from .decoder import StaticDecoder
-        from .state import state_bytes
+        from ..decoder import StaticDecoder
+        from ..state import state_bytes
         torch.manual_seed(0)
         model = build_model(model_name)
         cfg = model.config
@@ -130,10 +133,10 @@ class Runner:
             dec = StaticDecoder(model, batch_size=B, prefill_chunk=prefill_chunk, compile=kind == "compiled",
                                 quantize=quantize)
         elif EXPORTED[backend][0] == "onnx":
-            from .export import load_onnx
+            from ..export import load_onnx
             dec = load_onnx(artifact_path(out_dir, backend))
         else:
-            from .export import load_pte
+            from ..export import load_pte
             dec = load_pte(artifact_path(out_dir, backend))
         gen = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
@@ -422,7 +425,7 @@ def bench(args) -> int:
         with open(args.json, "w") as f:
             json.dump(dict(bandwidth_bytes_s=bw, steal_fraction=steal, results=results), f, indent=1)
     if args.plot:
-        from .bench_plot import plot
+        from .plot import plot
         plot(results, args.plot)
     return 0
 
@@ -486,7 +489,3 @@ def main(argv=None) -> int:
         serve([args.model, args.backend, args.batch_size, args.prefill_chunk, args.steps, args.out_dir])
         return 0
     return bench(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,8 +20,7 @@ import time
 
 import torch
 
-from .arguments import positive_int
-from .console import info
+from ..console import info, positive_int
 
 # The opening of Shakespeare's Sonnet 18 (public domain): the passage of the grounded prompt.
 PASSAGE = ("Shall I compare thee to a summer's day?\nThou art more lovely and more temperate:\n"
@@ -37,7 +36,7 @@ SPEC_BACKENDS = ("eager", "compiled", "compiled-int8", "compiled-int4", "pte", "
 
 def _decoder(model, backend: str, k: int, stack, chunk: int = 32):
     if backend == "eager" or backend.startswith("compiled"):
-        from .decoder import StaticDecoder
+        from ..decoder import StaticDecoder
         quantize = backend.split("-")[1] if "-" in backend else None
         return StaticDecoder(model, batch_size=1, prefill_chunk=chunk, compile=backend != "eager",
                              verify_len=k + 1, quantize=quantize)
@@ -45,10 +44,10 @@ def _decoder(model, backend: str, k: int, stack, chunk: int = 32):
     import tempfile
     tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="shram_spec_"))
     if backend == "pte":
-        from .export import export_pte, load_pte
+        from ..export import export_pte, load_pte
         info("exporting the .pte (with a verify method) ...")
         return load_pte(export_pte(model, os.path.join(tmp, "m.pte"), prefill_chunk=chunk, verify_len=k + 1))
-    from .export import export_onnx, load_onnx
+    from ..export import export_onnx, load_onnx
     quantize = backend.split("-")[1] if "-" in backend else None
     info(f"exporting the .onnx{f' ({quantize})' if quantize else ''} (with a verify graph) ...")
     return load_onnx(export_onnx(model, os.path.join(tmp, "m.onnx"), prefill_chunk=chunk, verify_len=k + 1,
@@ -120,9 +119,9 @@ def run_prompt(dec, ids: torch.Tensor, n: int, k: int, rounds: int, clock=time.p
     streamer noting it would be the caller's code between steps, which makes a compiled
     decoder check every step (`HostDecoder.steady`). Inside both loops every step fed
     after the first token is timed as well (`_split`, the median round's)."""
-    from .sampling import Sampler
+    from ..sampling import Sampler
 
-    from .speculative import speculative_generate
+    from ..speculative import speculative_generate
     live = torch.ones_like(ids, dtype=torch.bool)
     plain_s, spec_s, stats = [], [], {}
     gens: dict[str, list] = {"plain": [], "spec": []}  # (seconds after the first token, `_split`)
@@ -160,8 +159,8 @@ def run_prompt(dec, ids: torch.Tensor, n: int, k: int, rounds: int, clock=time.p
 
 def bench_speculative(args) -> int:
     """The `bench-speculative` subcommand."""
-    from .bench import build_model
-    from .tokenizer import ByteTokenizer
+    from . import build_model
+    from ..tokenizer import ByteTokenizer
 
     model = build_model(args.model).eval()
     k = args.speculate
@@ -221,8 +220,12 @@ def register(subparsers) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m shram_static.bench_speculative", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m shram_static.bench.speculative", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     register(sub)
     args = p.parse_args(["bench-speculative", *(argv or [])])
     return bench_speculative(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
