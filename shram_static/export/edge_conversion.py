@@ -9,7 +9,7 @@ import torch
 from ..accelerators import enabled
 
 
-def _pass_name(p) -> str:
+def pass_name(p) -> str:
     """A pass object's class name, or the name of torch's `pass_result_wrapper` around one."""
     return getattr(p, "__name__", type(p).__name__)
 
@@ -118,7 +118,7 @@ def one_edge_conversion_trace():
 
         def without_fused(cfg):
             pre, post = get(cfg)
-            return [p for p in pre if _pass_name(p) not in _PER_OP_EDGE_PASSES], post
+            return [p for p in pre if pass_name(p) not in _PER_OP_EDGE_PASSES], post
 
         saved = (_program._get_aten_to_edge_passes, _program.OpReplacePass, _program.MemoryFormatOpsPass,
                  _program.ReplaceViewOpsWithViewCopyOpsPass)

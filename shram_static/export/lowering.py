@@ -16,7 +16,7 @@ import torch
 
 from ..accelerators import enabled
 from .decompose import export_decomposed
-from .edge_conversion import _pass_name, one_edge_conversion_trace
+from .edge_conversion import one_edge_conversion_trace, pass_name
 from .recompiles import lazy_recompiles
 
 
@@ -187,7 +187,7 @@ def needed_edge_passes_only():
     triggers = _pass_triggers()
 
     def gated(passes):
-        return [_GatedPass(p, triggers[_pass_name(p)]) if _pass_name(p) in triggers else p for p in passes]
+        return [_GatedPass(p, triggers[pass_name(p)]) if pass_name(p) in triggers else p for p in passes]
 
     def filtered(config):
         pre, post = get(config)

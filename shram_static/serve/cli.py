@@ -10,6 +10,7 @@ request with an error and exits with status 1 (a supervisor restarts the server)
 import os
 import signal
 import sys
+
 from ..backends import BACKENDS
 from ..console import positive_int
 from .limits import MAX_BODY_BYTES, MAX_STOP, MAX_STOP_CHARS
