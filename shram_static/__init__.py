@@ -2,8 +2,14 @@
 
 Fixed-shape state, branchless prefill/decode steps that compile with
 `torch.compile(fullgraph=True)` and export to ExecuTorch and ONNX.
+
+Importing the package imports neither torch nor transformers: each public name below is
+imported on first use (PEP 562), so the command line answers at once. Importing the model or
+its config (`ShramConfig`, `ShramForCausalLM`, or any name that needs them) registers
+`model_type = "shram"` with transformers' `AutoConfig` and `AutoModelForCausalLM`.
 """
 
+import importlib as _importlib
 import warnings as _warnings
 
 # Supported torch / ExecuTorch, checked before anything imports them: an older release is an
@@ -13,32 +19,30 @@ from .accelerators import check_versions as _check_versions, set_stock, stock  #
 for _line in _check_versions():
     _warnings.warn(_line, stacklevel=2)
 
-from .console import quiet_loggers  # noqa: E402
+# public name -> the module that defines it
+_LAZY = {
+    "ShramConfig": ".config",
+    "ShramForCausalLM": ".model", "CausalLMOutput": ".model",
+    "ShramCache": ".cache",
+    "TextTokenStreamer": ".generation",
+    "StaticDecoder": ".decoder",
+    "HostDecoder": ".host",
+    "StaticState": ".state", "state_bytes": ".state",
+    "CapacityError": ".errors", "CheckpointError": ".errors", "NonFiniteLogitsError": ".errors",
+}
 
-# WHY quiet: importing transformers' model classes imports torchao (its quantizer registry),
-# which on a CPU-only torch logs a warning for each CUDA kernel library it cannot load, and
-# registers Enums that torch 2.13 logs as deprecated: four warnings before any output of ours,
-# about nothing this package uses. Only records of those two loggers during these imports are
-# dropped.
-with quiet_loggers("torchao", "torch.utils._pytree"):
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .config import ShramConfig
-    from .decoder import StaticDecoder
-    from .errors import CapacityError, CheckpointError, NonFiniteLogitsError
-    from .host import HostDecoder
-    from .model import CausalLMOutput, ShramForCausalLM
-    from .cache import ShramCache
-    from .generation import TextTokenStreamer
-    from .state import StaticState, state_bytes
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'shram_static' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
-# Auto classes: `AutoConfig/AutoModelForCausalLM.from_pretrained(dir)` load a SHRAM checkpoint
-# (also one written by the original code, whose `auto_map` points at remote code) into this
-# package, without trust_remote_code. exist_ok: re-importing (e.g. importlib.reload) is fine.
-AutoConfig.register(ShramConfig.model_type, ShramConfig, exist_ok=True)
-AutoModelForCausalLM.register(ShramConfig, ShramForCausalLM, exist_ok=True)
 
-__all__ = ["ShramConfig", "ShramForCausalLM", "CausalLMOutput", "ShramCache", "TextTokenStreamer",
-           "StaticDecoder", "HostDecoder", "StaticState", "state_bytes", "CapacityError", "CheckpointError",
-           "NonFiniteLogitsError", "set_stock", "stock"]
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = [*_LAZY, "set_stock", "stock"]
 __version__ = "0.1.0"

@@ -8,16 +8,67 @@ so a user can check an export or a quantization end to end from one command.
 """
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 import time
 
 from .console import info
 
-BACKENDS = ("eager", "compiled", "compiled-int8", "compiled-int4", "pte", "pte-int8", "pte-8da4w", "onnx",
-            "onnx-int8", "onnx-int4")
-_QUANTIZE = {"compiled-int8": "int8", "compiled-int4": "int4", "pte-int8": "int8", "pte-8da4w": "8da4w",
-             "onnx-int8": "int8", "onnx-int4": "int4"}
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One backend.
+
+    Attributes:
+        name: the name every command takes (`--backend`, `--backends`).
+        runtime: "eager" or "compiled" (`StaticDecoder`), "pte" (ExecuTorch) or "onnx" (onnxruntime).
+        quantize: the weight quantization, None for float weights.
+        speculative: `bench-speculative` runs it (a verify step of k + 1 tokens).
+    """
+
+    name: str
+    runtime: str
+    quantize: str | None = None
+    speculative: bool = True
+
+
+# The one declaration of the backends: the CLI's choices, `bench`, `bench-speculative`,
+# `export --quantize` and every quantizer's accepted modes derive from it.
+TABLE = (
+    Backend("eager", "eager"),
+    Backend("compiled", "compiled"),
+    Backend("compiled-int8", "compiled", "int8"),
+    Backend("compiled-int4", "compiled", "int4"),
+    Backend("pte", "pte"),
+    Backend("pte-int8", "pte", "int8", speculative=False),
+    Backend("pte-8da4w", "pte", "8da4w", speculative=False),
+    Backend("onnx", "onnx"),
+    Backend("onnx-int8", "onnx", "int8"),
+    Backend("onnx-int4", "onnx", "int4"),
+)
+BACKENDS = tuple(b.name for b in TABLE)
+SPEC_BACKENDS = tuple(b.name for b in TABLE if b.speculative)
+EXPORTED = ("pte", "onnx")  # the runtimes that run an exported file
+
+
+def find_backend(name: str) -> Backend:
+    """The `Backend` called `name`; ValueError naming the choices for an unknown one."""
+    for b in TABLE:
+        if b.name == name:
+            return b
+    raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+
+
+def quantize_modes(runtime: str) -> tuple[str, ...]:
+    """The weight quantizations the backends of `runtime` offer ("compiled" covers eager too)."""
+    return tuple(b.quantize for b in TABLE if b.runtime == runtime and b.quantize)
+
+
+def float_partner(name: str) -> str | None:
+    """The float backend of a quantized one's runtime (`pte-int8` -> `pte`), else None."""
+    b = find_backend(name)
+    return next(f.name for f in TABLE if f.runtime == b.runtime and f.quantize is None) if b.quantize else None
 
 
 def make_decoder(model, backend: str, prefill_chunk: int, stack: contextlib.ExitStack,
@@ -43,13 +94,12 @@ def make_decoder(model, backend: str, prefill_chunk: int, stack: contextlib.Exit
     Raises:
         ValueError: an unknown backend, or an export backend whose module cannot be imported.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    quantize = _QUANTIZE.get(backend)
-    if backend == "eager" or backend.startswith("compiled"):
+    spec = find_backend(backend)
+    quantize = spec.quantize
+    if spec.runtime in ("eager", "compiled"):
         from .decoder import StaticDecoder
         return StaticDecoder(model, batch_size=batch_size, prefill_chunk=prefill_chunk,
-                             compile=backend != "eager", eos_token_id=eos_token_id, quantize=quantize,
+                             compile=spec.runtime == "compiled", eos_token_id=eos_token_id, quantize=quantize,
                              **({"verify_len": verify_len} if verify_len else {}))
     try:
         from .export import export_onnx, export_pte, load_onnx, load_pte
@@ -57,7 +107,7 @@ def make_decoder(model, backend: str, prefill_chunk: int, stack: contextlib.Exit
         raise ValueError(f"backend {backend!r} needs shram_static.export, which failed to import: {e}") from e
     tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="shram_static_"))
     t0 = time.perf_counter()
-    if backend.startswith("onnx"):
+    if spec.runtime == "onnx":
         path = os.path.join(tmp, "model.onnx")
         info(f"exporting to ONNX{f' ({quantize})' if quantize else ''} ({path}) ...")
         export_onnx(model, path, batch_size=batch_size, prefill_chunk=prefill_chunk, eos_token_id=eos_token_id,

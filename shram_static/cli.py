@@ -99,11 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     _add_generate(subparsers)
-    from . import bench, evaluate, train
-    from .bench import speculative as bench_speculative
+    from . import evaluate, train
+    from .bench import cli as bench_cli
     from .export import cli as export_cli
-    bench.register(subparsers)
-    bench_speculative.register(subparsers)
+    bench_cli.register(subparsers)
+    bench_cli.register_speculative(subparsers)
     export_cli.register(subparsers)
     train.register(subparsers)
     evaluate.register(subparsers)

@@ -2,7 +2,7 @@
 
 import math
 
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 ROPE_MODES = ("main_sequence", "semantic_sequence")
 
@@ -134,3 +134,8 @@ class ShramConfig(PretrainedConfig):
     def mosrah_packed_length(self) -> int:
         """Training-time per-expert sequence length (YaRN C of semantic_sequence positions)."""
         return math.ceil(self.training_sequence_length * self.num_selected_heads / self.num_mosrah_heads) + self.block_length
+
+
+# `AutoConfig.from_pretrained(dir)` reads a SHRAM config.json (the original code's too) as a
+# `ShramConfig`, without trust_remote_code. exist_ok: re-importing is fine.
+AutoConfig.register(ShramConfig.model_type, ShramConfig, exist_ok=True)

@@ -6,8 +6,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
-from transformers.utils import ModelOutput
+
+from .console import quiet_loggers
+
+# WHY quiet: importing transformers' model classes imports torchao (its quantizer registry),
+# which on a CPU-only torch logs a warning for each CUDA kernel library it cannot load, and
+# registers Enums that torch 2.13 logs as deprecated: warnings about nothing this package uses.
+# Only records of those two loggers during these imports are dropped.
+with quiet_loggers("torchao", "torch.utils._pytree"):
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+    from transformers.utils import ModelOutput
 
 from .attention import attention_bias, masked_attention
 from .cache import ShramCache
@@ -257,3 +265,9 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
         y = masked_attention(q, k, v, attention_bias(mask, q.dtype), self.rope.sparse_factor / math.sqrt(cfg.head_dim),
                              seen)
         return bea.output_all(y, w)
+
+
+# `AutoModelForCausalLM.from_pretrained(dir)` loads a SHRAM checkpoint (also one written by the
+# original code, whose `auto_map` points at remote code) into this package, without
+# trust_remote_code. exist_ok: re-importing (e.g. importlib.reload) is fine.
+AutoModelForCausalLM.register(ShramConfig, ShramForCausalLM, exist_ok=True)

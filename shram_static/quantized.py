@@ -27,9 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .backends import quantize_modes
 from .fast_layers import FEW_ROWS, LANES, pack_rows, shared_copy, swap_linears_
 
-QUANTIZE_MODES = ("int8", "int4")
+QUANTIZE_MODES = quantize_modes("compiled")  # the `compiled-*` backends' modes
 GROUP = 32  # inputs per int4 scale (q4_0's block)
 
 

@@ -13,8 +13,8 @@ import torch
 
 from helpers import TINY_CONFIG, randomize_
 from shram_static import ShramConfig, ShramForCausalLM
-from shram_static import bench as bench_mod
-from shram_static.bench import add_ratios, contexts, measure_interleaved
+from shram_static.bench import cli as bench_cli, throughput as bench_mod
+from shram_static.bench.throughput import add_ratios, contexts, measure_interleaved
 
 
 def _result(backend, ms, model="m", batch=1, read_bytes=2_000_000, best=None):
@@ -166,7 +166,7 @@ def test_workers_all_start_before_any_loads(monkeypatch):
     """Every worker process starts (its imports, seconds each) before the first one loads, and
     they load one after another (warm-up times without contention); all are asked to finish
     before the first exit is waited for (their shutdowns overlap)."""
-    import shram_static.bench as bench_mod
+    import shram_static.bench.throughput as bench_mod
 
     log = []
 
@@ -198,7 +198,7 @@ def test_workers_all_start_before_any_loads(monkeypatch):
     monkeypatch.setattr(bench_mod, "Worker", Recorder)
     monkeypatch.setattr(bench_mod, "measure_bandwidth", lambda x=None, reps=5: 1e10)
     monkeypatch.setattr(bench_mod, "bandwidth_buffer", lambda: None)  # no 1 GiB to allocate here
-    assert bench_mod.main(["--models", "bench", "--backends", "eager", "--batch-sizes", "1", "2",
+    assert bench_cli.main(["--models", "bench", "--backends", "eager", "--batch-sizes", "1", "2",
                            "--rounds", "1"]) == 0
     a, b = "bench/eager/B=1", "bench/eager/B=2"
     assert log == [("start", a), ("start", b), ("started", a), ("started", b),
@@ -206,7 +206,7 @@ def test_workers_all_start_before_any_loads(monkeypatch):
 
 
 def test_close_waits_for_a_finished_worker_and_kills_one_that_was_not():
-    from shram_static.bench import Worker
+    from shram_static.bench.throughput import Worker
 
     def worker(cmd, finished):
         w = Worker.__new__(Worker)  # a process standing in for a worker
@@ -222,7 +222,7 @@ def test_close_waits_for_a_finished_worker_and_kills_one_that_was_not():
 
 
 def test_steal_is_read_from_proc_stat(tmp_path):
-    from shram_static.bench import cpu_times, steal_fraction
+    from shram_static.bench.readings import cpu_times, steal_fraction
     stat = tmp_path / "stat"
     # user nice system idle iowait irq softirq steal guest guest_nice
     stat.write_text("cpu  100 0 20 300 5 0 1 74 0 0\ncpu0 50 0 10 150 2 0 1 37 0 0\n")

@@ -173,7 +173,7 @@ def test_backend_names_and_export_cli_errors(builtin, tmp_path, capsys):
     """Every command takes the new backends; `export --quantize` says which format takes what."""
     import contextlib
 
-    from shram_static.bench import float_partner, quantization
+    from shram_static.backends import find_backend, float_partner
     from shram_static.cli import main
 
     model = builtin[0]
@@ -181,7 +181,7 @@ def test_backend_names_and_export_cli_errors(builtin, tmp_path, capsys):
         for mode in ("int8", "int4"):
             dec = make_decoder(model, f"compiled-{mode}", 16, stack)
             assert dec.compiled and dec.quantize == mode
-            assert quantization(f"compiled-{mode}") == quantization(f"onnx-{mode}") == mode
+            assert find_backend(f"compiled-{mode}").quantize == find_backend(f"onnx-{mode}").quantize == mode
             assert float_partner(f"compiled-{mode}") == "compiled" and float_partner(f"onnx-{mode}") == "onnx"
     assert main(["export", "--format", "onnx", "--quantize", "8da4w", "--out", str(tmp_path / "o")]) == 2
     assert "applies to none of ['onnx']" in capsys.readouterr().err

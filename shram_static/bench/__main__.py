@@ -1,5 +1,5 @@
 """`python -m shram_static.bench`: the `bench` command (and its worker processes)."""
 
-from . import main
+from .cli import main
 
 raise SystemExit(main())

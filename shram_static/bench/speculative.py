@@ -13,14 +13,11 @@ Prompts: "grounded", a passage followed by its opening again (what quoting, edit
 summarising look like: the continuation is in the prompt), and "free", a two-word opening.
 """
 
-import argparse
 import contextlib
 import statistics
 import time
 
-import torch
-
-from ..console import info, positive_int
+from ..console import info
 
 # The opening of Shakespeare's Sonnet 18 (public domain): the passage of the grounded prompt.
 PASSAGE = ("Shall I compare thee to a summer's day?\nThou art more lovely and more temperate:\n"
@@ -31,27 +28,6 @@ PASSAGE = ("Shall I compare thee to a summer's day?\nThou art more lovely and mo
 PROMPTS = {"grounded": PASSAGE + "\n" + PASSAGE[:80], "free": "ROMEO:"}
 
 
-SPEC_BACKENDS = ("eager", "compiled", "compiled-int8", "compiled-int4", "pte", "onnx", "onnx-int8", "onnx-int4")
-
-
-def _decoder(model, backend: str, k: int, stack, chunk: int = 32):
-    if backend == "eager" or backend.startswith("compiled"):
-        from ..decoder import StaticDecoder
-        quantize = backend.split("-")[1] if "-" in backend else None
-        return StaticDecoder(model, batch_size=1, prefill_chunk=chunk, compile=backend != "eager",
-                             verify_len=k + 1, quantize=quantize)
-    import os
-    import tempfile
-    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="shram_spec_"))
-    if backend == "pte":
-        from ..export import export_pte, load_pte
-        info("exporting the .pte (with a verify method) ...")
-        return load_pte(export_pte(model, os.path.join(tmp, "m.pte"), prefill_chunk=chunk, verify_len=k + 1))
-    from ..export import export_onnx, load_onnx
-    quantize = backend.split("-")[1] if "-" in backend else None
-    info(f"exporting the .onnx{f' ({quantize})' if quantize else ''} (with a verify graph) ...")
-    return load_onnx(export_onnx(model, os.path.join(tmp, "m.onnx"), prefill_chunk=chunk, verify_len=k + 1,
-                                 quantize=quantize)["decode"])
 
 
 def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> dict:
@@ -65,6 +41,8 @@ def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> di
     - "after_decode": a public decode step run after another decode step (what plain decoding
       runs). It differs from "decode" by what taking turns with the verify step costs (the
       steps' code and buffers evicting each other from the caches)."""
+    import torch
+
     V = dec.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     dec.reset()
@@ -111,7 +89,7 @@ def _split(feeds: list[tuple[int, float]], total: float) -> dict:
     return {"decode": mean(one), "verify": mean(wide), "loop": (total - sum(one) - sum(wide)) / max(1, len(feeds))}
 
 
-def run_prompt(dec, ids: torch.Tensor, n: int, k: int, rounds: int, clock=time.perf_counter) -> dict:
+def run_prompt(dec, ids: "torch.Tensor", n: int, k: int, rounds: int, clock=time.perf_counter) -> dict:
     """Plain and speculative greedy generation of n tokens after `ids`, alternating, `rounds`
     times each, as `generate` runs them without a streamer: medians of tokens/s over the whole
     call, and after the first new token. The time to the first token (the prompt's prefill
@@ -119,9 +97,11 @@ def run_prompt(dec, ids: torch.Tensor, n: int, k: int, rounds: int, clock=time.p
     streamer noting it would be the caller's code between steps, which makes a compiled
     decoder check every step (`HostDecoder.steady`). Inside both loops every step fed
     after the first token is timed as well (`_split`, the median round's)."""
-    from ..sampling import Sampler
+    import torch
 
+    from ..sampling import Sampler
     from ..speculative import speculative_generate
+
     live = torch.ones_like(ids, dtype=torch.bool)
     plain_s, spec_s, stats = [], [], {}
     gens: dict[str, list] = {"plain": [], "spec": []}  # (seconds after the first token, `_split`)
@@ -159,8 +139,11 @@ def run_prompt(dec, ids: torch.Tensor, n: int, k: int, rounds: int, clock=time.p
 
 def bench_speculative(args) -> int:
     """The `bench-speculative` subcommand."""
-    from . import build_model
+    import torch
+
+    from ..backends import make_decoder
     from ..tokenizer import ByteTokenizer
+    from .throughput import build_model
 
     model = build_model(args.model).eval()
     k = args.speculate
@@ -170,7 +153,7 @@ def bench_speculative(args) -> int:
     # waiting for a core on a shared machine (use one thread: spinning threads would count).
     clock = time.process_time if args.cpu_time else time.perf_counter
     with contextlib.ExitStack() as stack:
-        dec = _decoder(model, args.backend, k, stack, args.prefill_chunk)
+        dec = make_decoder(model, args.backend, args.prefill_chunk, stack, verify_len=k + 1)
         info(f"{args.model} on {args.backend}, batch 1, k = {k}, prefill chunk {dec.prefill_chunk}: warming up ...")
         dec.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
         dec.generate(torch.tensor([[1, 2, 3, 1, 2]]), max_new_tokens=4, speculate=k)
@@ -199,32 +182,9 @@ def bench_speculative(args) -> int:
     return 0
 
 
-def register(subparsers) -> None:
-    """Adds the `bench-speculative` subcommand to the CLI."""
-    p = subparsers.add_parser("bench-speculative", help="speculative (prompt lookup) vs plain greedy decoding, "
-                                                        "and a verify step's cost against a decode step's")
-    p.add_argument("--model", default="builtin", help="'builtin', 'bench' or a checkpoint directory")
-    p.add_argument("--backend", default="compiled", choices=SPEC_BACKENDS)
-    p.add_argument("--speculate", type=positive_int, default=4, metavar="K", help="guesses per verify step")
-    p.add_argument("--max-new-tokens", type=positive_int, default=400, metavar="N")
-    p.add_argument("--prompts", nargs="*", choices=list(PROMPTS), help="default: all (none for the bench model)")
-    p.add_argument("--context", type=positive_int, default=256, help="context of the step-cost measurement")
-    p.add_argument("--prefill-chunk", type=positive_int, default=32, metavar="C",
-                   help="tokens per prefill step (both decoders' prompts; 64 is faster for a long prompt on one row)")
-    p.add_argument("--steps", type=positive_int, default=40, help="alternating decode/verify steps timed")
-    p.add_argument("--rounds", type=positive_int, default=3, help="plain/speculative runs per prompt, alternating")
-    p.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
-    p.add_argument("--cpu-time", action="store_true",
-                   help="time by the process's CPU time instead of wall time (a loaded, shared machine)")
-    p.set_defaults(func=bench_speculative)
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m shram_static.bench.speculative", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-    register(sub)
-    args = p.parse_args(["bench-speculative", *(argv or [])])
-    return bench_speculative(args)
+    from .cli import speculative_parser
+    return bench_speculative(speculative_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

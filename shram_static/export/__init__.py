@@ -3,14 +3,24 @@ run them behind the `StaticDecoder` API (`prefill`, `decode`, `reset`, `generate
 
 Exporters (`pte.py`, `onnx.py`) and runtime loaders (`pte_runtime.py`, `onnx_runtime.py`) are
 separate modules; what both need is in `common.py`. Imports of executorch / onnx / onnxruntime
-happen inside the functions, so importing this package stays cheap (its modules import only
-torch and numpy at the top).
+happen inside the functions; the four public functions are imported on first use, so importing
+this package imports no torch.
 """
 
 from ..errors import ExportFormatError
-from .onnx import export_onnx
-from .onnx_runtime import load_onnx
-from .pte import export_pte
-from .pte_runtime import load_pte
+
+# public name -> the module that defines it, imported on first use (`shram-static export
+# --help` parses without torch)
+_LAZY = {"export_pte": ".pte", "load_pte": ".pte_runtime", "export_onnx": ".onnx", "load_onnx": ".onnx_runtime"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'shram_static.export' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = ["export_pte", "load_pte", "export_onnx", "load_onnx", "ExportFormatError"]

@@ -5,12 +5,13 @@ import os
 import shutil
 import time
 
+from ..backends import quantize_modes
 from ..console import info
 
 FORMATS = ("pte", "onnx", "web")
-# the --quantize modes of each format: the .pte's from torchao, the .onnx's from onnxruntime
-# (the web site runs the fp32 .onnx)
-QUANTIZE = {"pte": ("int8", "8da4w"), "onnx": ("int8", "int4"), "web": ()}
+# the --quantize modes of each format (the backend table's): the .pte's from torchao, the
+# .onnx's from onnxruntime (the web site runs the fp32 .onnx)
+QUANTIZE = {"pte": quantize_modes("pte"), "onnx": quantize_modes("onnx"), "web": ()}
 
 
 def export_main(args) -> int:
@@ -93,7 +94,7 @@ def register(subparsers) -> None:
     p.add_argument("--full-logits", action="store_true",
                    help="the prefill step returns every token's logits (for scoring text), not only each "
                         "row's last token's (all generation reads; the lm_head then runs on one token per row)")
-    p.add_argument("--quantize", choices=["int8", "8da4w", "int4"], default=None,
+    p.add_argument("--quantize", choices=sorted({m for modes in QUANTIZE.values() for m in modes}), default=None,
                    help="int8: int8 weights (.pte: per channel, int8 activations; .onnx: weight-only, "
                         "blocks of 32); 8da4w (.pte): int4 weights in groups of 32, int8 activations; "
                         "int4 (.onnx): weight-only int4 in blocks of 32")

@@ -10,7 +10,9 @@ float (a step reads one row of it).
 
 import logging
 
-ONNX_QUANTIZE_MODES = ("int8", "int4")
+from ..backends import quantize_modes
+
+ONNX_QUANTIZE_MODES = quantize_modes("onnx")  # the `onnx-*` backends' modes
 BLOCK = 32  # inputs per scale: q4_0's and q8_0's block (accuracy against MatMulNBits' default of 128)
 # WHY accuracy_level 4: MatMulNBits then quantizes each activation row to int8 per block and
 # runs int8 dot products (MLAS' SQNBitGemm with VNNI); at the default level (fp32 compute) its

@@ -11,9 +11,10 @@ import copy
 import torch
 from torch import nn
 
+from ..backends import quantize_modes
 from ..fast_layers import FusedExperts, fuse_experts_
 
-QUANTIZE_MODES = (None, "int8", "8da4w")
+QUANTIZE_MODES = (None, *quantize_modes("pte"))  # float, then the `pte-*` backends' modes
 GROUP = 32  # int4 group size: XNNPACK's blockwise int4 GEMM takes multiples of 32
 
 
