@@ -5,20 +5,17 @@ runs, so a bad call leaves the state exactly as it was), the live-token and roll
 each row, splitting prompts into fixed-size chunks, and sampling. A backend implements only
 `_run(tokens, input_pos, live)` for C = 1 (decode) and C = prefill_chunk (prefill), and
 optionally `_run_last` (a chunk's logits at each row's last live token only). Its public
-methods are the whole contract other modules use (docs/design.md, "The decoder contract").
+methods are the whole contract other modules use (docs/design.md, "The decoder contract");
+the generation loops that run on it are in `loops.py` and `speculative.py`.
 """
-
-import contextlib
-import time
 
 import numpy as np
 import torch
 
 from .config import ShramConfig
 from .errors import CapacityError, NonFiniteLogitsError
-from .rows import RowCounts, canonical, padded_chunks
-from .step import last_live
-from .sampling import Sampler
+from . import loops
+from .rows import RowCounts, canonical, last_live, padded_chunks
 from .validation import check_capacity, check_input_ids, check_mask
 
 __all__ = ["CapacityError", "HostDecoder"]
@@ -79,8 +76,6 @@ class HostDecoder:
         # False: the prefill step returns each row's last live token's logits only (an export
         # written without full_logits); prefill and step then run with last_only alone.
         self.full_logits = True
-        self._feed_times: list | None = None  # inside `timed_feeds`: (n, seconds) per `feed`
-        self._feed_clock = time.perf_counter
 
     # -- backend hooks --------------------------------------------------------------
     def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
@@ -133,8 +128,8 @@ class HostDecoder:
         if not isinstance(last_only, bool):
             raise TypeError(f"last_only must be a bool, got {type(last_only).__name__}")
         if not last_only:
-            self._need_full_logits("prefill(..., last_only=False)")
-        ids, live = self._check_prompt(input_ids, attention_mask)
+            self.need_full_logits("prefill(..., last_only=False)")
+        ids, live = self.check_prompt(input_ids, attention_mask)
         self._check_capacity(live.long().sum(1))
         B, N = ids.shape
         C, V = self.prefill_chunk, self.config.vocab_size
@@ -243,9 +238,9 @@ class HostDecoder:
         if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == 1:
             return self.decode(ids[:, 0], None if active is None else active[:, 0])[:, None]
         if self.verify_len is None:
-            self._need_full_logits("verify without a verify step (exported without verify_len)")
+            self.need_full_logits("verify without a verify step (exported without verify_len)")
             return self.prefill(ids, active)
-        ids, live = self._check_prompt(ids, active)
+        ids, live = self.check_prompt(ids, active)
         self._check_capacity(live.long().sum(1))
         return self.feed(ids, live)
 
@@ -270,37 +265,13 @@ class HostDecoder:
         if 1 < n < self.verify_len:  # the verify step's fixed shape: pad with dead tokens
             pad = self.verify_len - n
             ids, live = torch.nn.functional.pad(ids, (0, pad)), torch.nn.functional.pad(live, (0, pad))
-        if self._feed_times is None:
-            lg = self._call(ids, live)
-        else:
-            t0 = self._feed_clock()
-            lg = self._call(ids, live)
-            self._feed_times.append((n, self._feed_clock() - t0))
+        lg = self._call(ids, live)
         return (lg if lg.shape[1] == n else lg[:, :n]).float().cpu()
 
     def forget(self, n: torch.Tensor) -> None:
         """`rollback` without its checks: n (B,) int64 tokens per row, each at most what the row
         can forget now (`rollbackable`), e.g. the rejected guesses of the verify step just run."""
         self._counts.forget(n)
-
-    def steady(self, on: bool = True):
-        """A context within which (when `on`) the caller runs none of its user's code between
-        steps (`generate` without a streamer): nothing but this decoder's own steps can change
-        a weight, so a backend may skip per-call checks that only such code makes necessary
-        (`StaticDecoder` checks its packed weights once per kind of step). Here: nothing."""
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def timed_feeds(self, clock=time.perf_counter):
-        """Within the block, records every `feed` (what `generate`'s loops run after the
-        prompt) as (tokens per row, seconds by `clock`); yields the list it appends to.
-        What `shram-static bench-speculative` splits a generation's time with."""
-        before = self._feed_times, self._feed_clock
-        self._feed_times, self._feed_clock = [], clock
-        try:
-            yield self._feed_times
-        finally:
-            self._feed_times, self._feed_clock = before
 
     # -- per-row lifecycle (continuous batching) --------------------------------------
     def reset_rows(self, rows) -> None:
@@ -361,116 +332,13 @@ class HostDecoder:
         if not isinstance(last_only, bool):
             raise TypeError(f"last_only must be a bool, got {type(last_only).__name__}")
         if not last_only and input_ids.shape[1] > 1:
-            self._need_full_logits("step(...) of a prefill chunk without last_only=True")
+            self.need_full_logits("step(...) of a prefill chunk without last_only=True")
         lv = check_mask(live, input_ids.shape, "live").cpu()
         self._check_capacity(lv.long().sum(1))
         logits = self._call(input_ids.long().cpu(), lv, last_only and input_ids.shape[1] > 1)
         return logits.float().cpu()
 
-    @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 eos_token_id: int | None = None, pad_token_id: int | None = None,
-                 streamer=None, speculate: int | None = None, draft=None) -> torch.Tensor:
-        """Resets, prefills the prompt, then decodes new tokens (greedy by default).
-
-        Args:
-            input_ids, attention_mask: the prompt, as in `prefill`; every row needs a live token.
-            max_new_tokens: n tokens to produce per row.
-            do_sample: sample instead of argmax (also implied by temperature/top_k/top_p).
-            temperature, top_k, top_p: sampling filters (`sampling.Sampler`: any finite
-                temperature > 0; a tiny one gives greedy's tokens).
-            seed: seeds the sampler for reproducible samples.
-            eos_token_id: stops a row once produced (default: the decoder's tokenizer EOS).
-            pad_token_id: fills a row after it stopped (default: eos_token_id, else 0).
-            streamer: a transformers-style streamer (e.g. `TextStreamer`, batch 1): gets
-                `put(prompt ids)`, then `put(tokens (B,))` as each is produced, then `end()`.
-            speculate: k > 0 to decode speculatively (`speculative.py`): up to k guessed tokens
-                per row and round, checked in one verify step, the rejected ones rolled back.
-                The tokens are exactly greedy decoding's; samples follow the same distribution
-                as without speculation. Guesses come from prompt lookup, or from `draft`.
-            draft: a `HostDecoder` of a smaller model with the same vocabulary and batch size,
-                which drafts the guesses (implies speculate=4 if speculate is None).
-
-        Returns:
-            (B, n) int64 new tokens.
-        """
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        if not isinstance(temperature, (int, float)) or not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        warp = Sampler(temperature, top_k, top_p)  # raises on a bad setting, before anything runs
-        ids, live = self._check_prompt(input_ids, attention_mask)
-        n_prompt = live.long().sum(1)
-        if bool((n_prompt == 0).any()):
-            raise ValueError(f"every row needs at least one live prompt token; rows "
-                             f"{torch.nonzero(n_prompt == 0).flatten().tolist()} have none")
-        # The last new token is returned, not fed back: n_prompt + n - 1 tokens are held.
-        check_capacity(n_prompt + max_new_tokens - 1, self.capacity, " (prompt + max_new_tokens - 1)",
-                       "shorten the prompt, lower max_new_tokens, or build the model with a larger "
-                       "inference_sequence_length")
-        eos = self.eos_token_id if eos_token_id is None else eos_token_id
-        pad = pad_token_id if pad_token_id is not None else (eos if eos is not None else 0)
-        sample = do_sample or temperature != 1.0 or top_k is not None or top_p is not None
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        if speculate is not None or draft is not None:
-            k = 4 if speculate is None else speculate
-            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-                raise ValueError(f"speculate must be a positive int, got {speculate!r}")
-            if draft is not None and (not isinstance(draft, HostDecoder) or draft.batch_size != self.batch_size
-                                      or draft.config.vocab_size != self.config.vocab_size):
-                raise ValueError("draft must be a HostDecoder with this decoder's batch_size "
-                                 f"({self.batch_size}) and vocabulary ({self.config.vocab_size} tokens)")
-            if draft is not None and bool((n_prompt + max_new_tokens - 1 > draft.capacity).any()):
-                raise ValueError(f"the draft decoder holds {draft.capacity} tokens per row, fewer than the "
-                                 f"prompt plus max_new_tokens - 1")
-            for d in (self, draft):
-                if d is not None and not d.rollback_limit:
-                    raise ValueError(f"{type(d).__name__} cannot roll back (an export written without "
-                                     f"rollback support): re-export it to decode speculatively")
-            if self.verify_len is None:  # the guesses are then verified by the prefill step
-                self._need_full_logits("speculative decoding without a verify step (exported "
-                                       "without verify_len)")
-            from .speculative import speculative_generate
-            return speculative_generate(self, ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer,
-                                        k, draft)
-        # a streamer is the caller's code between steps: every step is checked then
-        with self.steady(streamer is None):
-            return self._generate(ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer)
-
-    def _generate(self, ids, live, max_new_tokens: int, sample: bool, warp, gen, eos, pad, streamer) -> torch.Tensor:
-        """`generate` without speculation (arguments validated there): (B, max_new_tokens) tokens."""
-        self.reset()
-        logits = self.prefill(ids, live, last_only=True)  # (B, V)
-        # WHY numpy for the loop's bookkeeping: each torch op on a (B,) tensor costs several
-        # microseconds, after a step that streamed every weight through the caches several
-        # times that, and a loop of a dozen of them was a tenth of the built-in model's step;
-        # the tokens fed back are written into two (B, 1) tensors that share numpy's memory.
-        out = np.full((self.batch_size, max_new_tokens), pad, dtype=np.int64)
-        done = np.zeros(self.batch_size, dtype=bool)
-        feed = torch.zeros(self.batch_size, 1, dtype=torch.long)  # (B, 1) the tokens fed back
-        feed_live = torch.ones(self.batch_size, 1, dtype=torch.bool)  # (B, 1) rows still running
-        if streamer is not None:
-            streamer.put(ids)
-        for t in range(max_new_tokens):
-            if sample:
-                nxt = warp.sample(logits, gen).numpy()
-            else:
-                nxt = logits.numpy().argmax(-1)  # the first of equal maxima, as torch's argmax
-            out[:, t] = np.where(done, pad, nxt)
-            if streamer is not None:
-                streamer.put(torch.from_numpy(out[:, t].copy()))
-            if eos is not None:
-                done |= nxt == eos
-            if t + 1 == max_new_tokens or done.all():
-                break
-            feed.numpy()[:, 0] = np.where(done, 0, nxt)
-            feed_live.numpy()[:, 0] = ~done
-            logits = self.feed(feed, feed_live)[:, 0]
-        if streamer is not None:
-            streamer.end()
-        return torch.from_numpy(out)
+    generate = loops.generate  # the generation loops (plain, sampled, speculative)
 
     def _call(self, tokens: torch.Tensor, live: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """Runs one step of tokens (B, C) with live (B, C) (CPU, checked) after each row's live
@@ -483,13 +351,13 @@ class HostDecoder:
         return out
 
     # -- validation -----------------------------------------------------------------
-    def _need_full_logits(self, what: str) -> None:
+    def need_full_logits(self, what: str) -> None:
         if not self.full_logits:
             raise ValueError(f"{what} needs every token's logits, but this export's prefill step returns "
                              f"only each row's last token's: re-export with full_logits=True "
                              f"(shram-static export --full-logits)")
 
-    def _check_prompt(self, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    def check_prompt(self, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
         if input_ids.dim() != 2:

@@ -81,3 +81,8 @@ def canonical(t: torch.Tensor) -> torch.Tensor:
     if t.storage_offset() == 0 and t.stride() == tuple(reversed(want)):
         return t
     return t.clone(memory_format=torch.contiguous_format)
+
+
+def last_live(live: torch.Tensor) -> torch.Tensor:
+    """(B,) the column of each row's last live token in live (B, C) (0 for a row without one)."""
+    return (torch.arange(live.shape[1], device=live.device) * live).amax(1)

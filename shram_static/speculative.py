@@ -141,6 +141,25 @@ def _step(dec, ids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     return dec.prefill(ids, live)
 
 
+def steady(decoders, on: bool = True) -> contextlib.ExitStack:
+    """Enters `d.steady(on)` of each decoder that has one (`StaticDecoder`): within it, the
+    caller runs none of its user's code between steps, so a compiled decoder checks its packed
+    weights once per kind of step. Other decoders need no such window.
+
+    Args:
+        decoders: `HostDecoder`s (None entries are skipped).
+        on: False gives a window that changes nothing (a streamer runs between steps).
+
+    Returns:
+        The entered `ExitStack` (a context manager that leaves every window).
+    """
+    stack = contextlib.ExitStack()
+    for d in decoders:
+        if d is not None and hasattr(d, "steady"):
+            stack.enter_context(d.steady(on))
+    return stack
+
+
 def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tokens: int, sample: bool, warp,
                          gen, eos: int | None, pad: int, streamer, speculate: int, draft=None,
                          stats: dict | None = None) -> torch.Tensor:
@@ -160,11 +179,8 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
         (B, max_new_tokens) int64 new tokens.
     """
     # Without a streamer none of the caller's code runs between steps: each decoder checks
-    # each kind of step once (`HostDecoder.steady`); a streamer's `put` may change anything.
-    with contextlib.ExitStack() as steady:
-        for d in (dec, draft):
-            if d is not None:
-                steady.enter_context(d.steady(streamer is None))
+    # each kind of step once (`steady`); a streamer's `put` may change anything.
+    with steady([dec, draft], streamer is None):
         return _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer, speculate,
                           draft, stats)
 

@@ -20,6 +20,7 @@ from .attention import attention_bias, masked_attention, slot_bias
 from .reductions import exclusive_cumsum, inclusive_cumsum
 from .rope import apply_rope
 from .routing import route
+from .rows import last_live
 from .state import StaticState
 
 
@@ -167,11 +168,6 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
         at = last_live(live)  # (B,)
         x = x.gather(1, at[:, None, None].expand(B, 1, x.shape[-1]))  # (B, 1, d)
     return model.logits(x), new_state, torch.stack(routing)
-
-
-def last_live(live: torch.Tensor) -> torch.Tensor:
-    """(B,) the column of each row's last live token in live (B, C) (0 for a row without one)."""
-    return (torch.arange(live.shape[1], device=live.device) * live).amax(1)
 
 
 def _layer_step(layer, rope, x: torch.Tensor, *flat):

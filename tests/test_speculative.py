@@ -13,6 +13,7 @@ from helpers import DATA, golden_case, load_benchmark, random_ids, random_model,
 from shram_static import StaticDecoder
 from shram_static.cli import main
 from shram_static.sampling import Sampler
+from shram_static.bench.speculative import timed_feeds
 from shram_static.speculative import LOOKUP_NGRAMS, PromptLookup, _accept, speculative_generate
 
 
@@ -49,7 +50,7 @@ def test_speculative_greedy_equals_greedy(pair, source):
     want_eos = dec.generate(ids, mask, max_new_tokens=30, eos_token_id=eos, pad_token_id=1)
     draft = {"lookup": None, "draft": StaticDecoder(draft_model, batch_size=2, prefill_chunk=3, verify_len=3),
              "self_draft": StaticDecoder(model, batch_size=2, prefill_chunk=4)}[source]
-    with dec.timed_feeds() as feeds:  # (tokens per row, seconds) of each step fed
+    with timed_feeds(dec) as feeds:  # (tokens per row, seconds) of each step fed
         assert torch.equal(dec.generate(ids, mask, max_new_tokens=30, speculate=4, draft=draft), want)
     calls = [n for n, _ in feeds if n > 1]  # the verify steps
     assert len(calls) >= 3 if source != "self_draft" else len(calls) <= 30 // 4 + 2
@@ -184,18 +185,18 @@ def test_bench_speculative_command_reports_both_prompts(capsys, tmp_path):
 
 
 def test_bench_speculative_times_every_fed_step_and_leaves_the_decoder_as_it_was():
-    """`HostDecoder.timed_feeds`, the benchmark's timer, sees each step `generate` feeds (one
+    """`bench.speculative.timed_feeds`, the benchmark's timer, sees each step `generate` feeds (one
     per token after the first for plain greedy; the verify and decode steps speculation
     counts), and records nothing afterwards, also when the block raises."""
     from shram_static.bench.speculative import _split
     dec = StaticDecoder(tiny_model(num_decoder_layers=1), batch_size=1, prefill_chunk=4, verify_len=4)
     ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
-    with dec.timed_feeds(time.perf_counter) as feeds:
+    with timed_feeds(dec, time.perf_counter) as feeds:
         dec.generate(ids, max_new_tokens=9)
     assert [n for n, _ in feeds] == [1] * 8 and all(s > 0 for _, s in feeds)
     st = {}
     draft = StaticDecoder(tiny_model(num_decoder_layers=1), batch_size=1, prefill_chunk=4, verify_len=4)
-    with dec.timed_feeds(time.perf_counter) as feeds:  # a draft decoder guesses every round
+    with timed_feeds(dec, time.perf_counter) as feeds:  # a draft decoder guesses every round
         speculative_generate(dec, ids, torch.ones_like(ids, dtype=torch.bool), 9, False, Sampler(0),
                              None, None, 0, None, 3, draft, st)
     assert st["rounds"] > 0 and sum(n > 1 for n, _ in feeds) == st["rounds"]
@@ -203,7 +204,7 @@ def test_bench_speculative_times_every_fed_step_and_leaves_the_decoder_as_it_was
     n = len(feeds)
     dec.generate(ids, max_new_tokens=3)
     assert len(feeds) == n  # outside the block: nothing recorded
-    with pytest.raises(ZeroDivisionError), dec.timed_feeds(time.perf_counter) as inner:
+    with pytest.raises(ZeroDivisionError), timed_feeds(dec, time.perf_counter) as inner:
         1 / 0
     dec.generate(ids, max_new_tokens=3)
     assert inner == [] and len(feeds) == n

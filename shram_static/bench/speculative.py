@@ -30,6 +30,34 @@ PROMPTS = {"grounded": PASSAGE + "\n" + PASSAGE[:80], "free": "ROMEO:"}
 
 
 
+@contextlib.contextmanager
+def timed_feeds(dec, clock=time.perf_counter):
+    """Within the block, records every `dec.feed` (what `generate`'s loops run after the
+    prompt) as (tokens per row, seconds by `clock`); yields the list it appends to. Nests.
+
+    Args:
+        dec: a `HostDecoder` (its `feed` is wrapped on the instance for the block).
+        clock: a function giving seconds.
+    """
+    times: list[tuple[int, float]] = []
+    had, feed = "feed" in vars(dec), dec.feed
+
+    def timed(ids, live):
+        t0 = clock()
+        out = feed(ids, live)
+        times.append((ids.shape[1], clock() - t0))
+        return out
+
+    dec.feed = timed
+    try:
+        yield times
+    finally:
+        if had:
+            dec.feed = feed
+        else:
+            del dec.feed
+
+
 def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> dict:
     """Median seconds of a decode step and of a verify step of k + 1 tokens at context ctx,
     alternating (each rolled back, so both run at the same positions), by `clock`:
@@ -42,6 +70,8 @@ def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> di
       runs). It differs from "decode" by what taking turns with the verify step costs (the
       steps' code and buffers evicting each other from the caches)."""
     import torch
+
+    from ..speculative import steady
 
     V = dec.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -61,7 +91,7 @@ def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> di
         dec.rollback(k + 1)
         t["decode"].append(t1 - t0)
         t["verify"].append(t3 - t2)
-        with dec.steady():
+        with steady([dec]):
             t0 = clock()
             dec.feed(ids[:, :1], one)
             t1 = clock()
@@ -95,26 +125,26 @@ def run_prompt(dec, ids: "torch.Tensor", n: int, k: int, rounds: int, clock=time
     call, and after the first new token. The time to the first token (the prompt's prefill
     and a pick, the same work in both) is timed on its own in each round and subtracted: a
     streamer noting it would be the caller's code between steps, which makes a compiled
-    decoder check every step (`HostDecoder.steady`). Inside both loops every step fed
+    decoder check every step (`speculative.steady`). Inside both loops every step fed
     after the first token is timed as well (`_split`, the median round's)."""
     import torch
 
     from ..sampling import Sampler
-    from ..speculative import speculative_generate
+    from ..speculative import speculative_generate, steady
 
     live = torch.ones_like(ids, dtype=torch.bool)
     plain_s, spec_s, stats = [], [], {}
     gens: dict[str, list] = {"plain": [], "spec": []}  # (seconds after the first token, `_split`)
     for _ in range(rounds):
         t0 = clock()
-        with dec.timed_feeds(clock) as plain_feeds:
+        with timed_feeds(dec, clock) as plain_feeds:
             want = dec.generate(ids, max_new_tokens=n)
         t1 = clock()
-        with dec.timed_feeds(clock) as spec_feeds:
+        with timed_feeds(dec, clock) as spec_feeds:
             got = speculative_generate(dec, ids, live, n, False, Sampler(0), None, None, 0, None, k,
                                        None, stats)  # what generate(speculate=k) runs, its step counts kept
         t2 = clock()
-        with dec.steady():
+        with steady([dec]):
             dec.reset()
             dec.prefill(ids, last_only=True).argmax(-1)
         first = clock() - t2
