@@ -17,18 +17,18 @@ from .console import info, positive_int
 
 def generate(args) -> int:
     """The `generate` subcommand."""
+    if args.temperature is not None and not args.temperature > 0:
+        raise ValueError(f"--temperature must be > 0, got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    where = args.checkpoint if args.checkpoint is not None else "the built-in model"
+    info(f"loading {where} ...")  # before the imports: torch and transformers take seconds
     import torch
 
     from .backends import make_decoder
     from .default_model import load_model_and_tokenizer
     from .generation import TextTokenStreamer
 
-    if args.temperature is not None and not args.temperature > 0:
-        raise ValueError(f"--temperature must be > 0, got {args.temperature}")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
-    where = args.checkpoint if args.checkpoint is not None else "the built-in model"
-    info(f"loading {where} ...")
     model, tok = load_model_and_tokenizer(args.checkpoint)
     ids = tok.encode(args.prompt)
     if not ids:

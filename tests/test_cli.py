@@ -235,3 +235,31 @@ def test_export_flags_reach_both_exporters(tmp_path, monkeypatch):
                  "--out", str(tmp_path / "b")]) == 0
     assert seen == [("pte", True, 16, False), ("onnx", True, 16, False), ("pte", False, None, True),
                     ("onnx", False, None, True)]
+
+
+def _imported_after(code: str) -> set[str]:
+    """The top-level and torch/transformers modules a fresh interpreter holds after `code`."""
+    probe = ("import sys\n" + code + "\nprint()\nprint(' '.join(sorted(m for m in sys.modules if '.' not in m "
+             "or m.startswith(('torch._inductor', 'transformers.modeling_utils', 'executorch.')))))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return set(out.stdout.splitlines()[-1].split())  # the last line: after any help text
+
+
+def test_the_cli_answers_help_and_bad_arguments_without_torch():
+    """`shram-static --help`, a subcommand's `--help` and an argument error never import torch."""
+    mods = _imported_after("import contextlib\nfrom shram_static.cli import main\n"
+                           "for argv in (['--help'], ['export', '--help'], ['bench', '--help'], ['serve', '--help'],\n"
+                           "             ['generate'], ['bench-speculative', '--speculate', '0']):\n"
+                           "    with contextlib.suppress(SystemExit):\n"
+                           "        main(argv)")
+    assert not mods & {"torch", "transformers", "numpy"}, mods
+
+
+def test_importing_the_package_loads_each_runtime_only_when_used():
+    """`import shram_static` imports no torch; the model and the decoder import no exporter,
+    runtime or server (ExecuTorch, ONNX, onnxruntime, FastAPI)."""
+    assert not _imported_after("import shram_static") & {"torch", "transformers", "numpy"}
+    mods = _imported_after("from shram_static import ShramForCausalLM, StaticDecoder")
+    assert "torch" in mods and "transformers.modeling_utils" in mods
+    assert not mods & {"executorch", "onnx", "onnxscript", "onnxruntime", "fastapi", "uvicorn"}, mods

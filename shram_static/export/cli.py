@@ -16,8 +16,6 @@ QUANTIZE = {"pte": quantize_modes("pte"), "onnx": quantize_modes("onnx"), "web":
 
 def export_main(args) -> int:
     """Exports the model of `--checkpoint` (built-in model when absent) into `--out`."""
-    from ..default_model import load_model_and_tokenizer
-    from . import export_onnx, export_pte
     from .web import export_web, find_ort_web
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
@@ -35,6 +33,10 @@ def export_main(args) -> int:
     if args.quantize and not any(args.quantize in QUANTIZE[f] for f in formats):
         raise ValueError(f"--quantize {args.quantize} applies to none of {formats} "
                          f"(pte takes {', '.join(QUANTIZE['pte'])}; onnx takes {', '.join(QUANTIZE['onnx'])})")
+    info(f"loading {args.checkpoint or 'the built-in model'} ...")  # before the imports: torch takes seconds
+    from ..default_model import load_model_and_tokenizer
+    from . import export_onnx, export_pte
+
     model, tok = load_model_and_tokenizer(args.checkpoint)
     os.makedirs(args.out, exist_ok=True)
     # The stock ExecuTorch runner reads a tokenizer.json: ship the checkpoint's own, else ours.
