@@ -26,7 +26,7 @@ from shram_static.accelerators import enabled
 from shram_static.console import LEAFSPEC_NOTICE
 from shram_static.export import ExportFormatError, export_onnx, export_pte, load_pte
 from shram_static.export import pte
-from shram_static.export.forked import can_fork
+from shram_static.accelerators.forked import can_fork
 from shram_static.export.pte import lower_program, program_ops
 from shram_static.tokenizer import ByteTokenizer, bytes_to_unicode
 
@@ -288,8 +288,8 @@ def test_shared_packed_weights_give_the_stock_logits(builtin, tmp_path):
     import subprocess
     import sys
 
-    from shram_static.accelerators import STOCK_ENV, unverified
-    from shram_static.export.backend_options import weight_cache_enabled
+    from shram_static.accelerators.registry import STOCK_ENV, unverified
+    from shram_static.accelerators.backend_options import weight_cache_enabled
 
     def steps(d):
         return [d.prefill(torch.arange(1, 12)[None]), d.decode(torch.tensor([5])), d.decode(torch.tensor([7]))]
@@ -301,7 +301,7 @@ def test_shared_packed_weights_give_the_stock_logits(builtin, tmp_path):
     if os.environ.get(STOCK_ENV, "").strip() in ("", "0"):
         assert weight_cache_enabled()
     code = ("import sys, torch; from shram_static.export import load_pte; "
-            "from shram_static.export.backend_options import weight_cache_enabled; "
+            "from shram_static.accelerators.backend_options import weight_cache_enabled; "
             "d = load_pte(sys.argv[1]); ids = torch.arange(1, 12)[None]; "
             "lg = [d.prefill(ids), d.decode(torch.tensor([5])), d.decode(torch.tensor([7]))]; "
             "torch.save(lg, sys.argv[2]); print(weight_cache_enabled())")

@@ -1,6 +1,6 @@
 """The C++ kernels of one Inductor wrapper module are built as a few files inside
 `batched_builds()`, run as built one by one, and fall back to Inductor's own builds
-(shram_static/kernel_builds.py)."""
+(shram_static/accelerators/kernel_builds.py)."""
 
 import contextlib
 
@@ -10,9 +10,8 @@ from torch._inductor import config
 from torch._inductor.async_compile import AsyncCompile
 from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-from shram_static import kernel_builds
-from shram_static.accelerators import enabled
-from shram_static.kernel_builds import batched_builds, combined_source, split_by_size
+from shram_static.accelerators import enabled, kernel_builds
+from shram_static.accelerators.kernel_builds import batched_builds, combined_source, split_by_size
 
 # Kernels as Inductor's Python wrapper asks for them: C++ defining the entry `kernel`, with the
 # argument types of its bindings. Each also defines a file-scope helper, as some of Inductor's
@@ -150,11 +149,11 @@ def test_nested_contexts_and_exceptions_restore_the_state(accelerated):
     with batched_builds():
         with batched_builds():
             pass
-        assert kernel_builds._local.depth == 1
+        assert kernel_builds._depth == 1
     with pytest.raises(ValueError):
         with batched_builds():
             raise ValueError
-    assert kernel_builds._local.depth == 0
+    assert kernel_builds._depth == 0
 
 
 def test_split_by_size_balances_and_keeps_order():

@@ -10,7 +10,7 @@ MiB resident once loaded; docs/performance.md, "`.pte`").
 The runtime takes it through its public C++ API, `executorch::runtime::set_option("XnnpackBackend",
 {"weight_cache_enabled": true})`, which ExecuTorch's Python bindings do not expose; it is
 called here through ctypes on the runtime library that the bindings load. That makes it an
-accelerator (`xnnpack_weight_cache`, shram_static/accelerators.py): it runs only on the
+accelerator (`xnnpack_weight_cache`, registry.py): it runs only on the
 ExecuTorch release it was verified on (1.5.1, whose wheel ships the runtime as
 `lib/libexecutorch.so`; 1.4.1 links the runtime into its bindings and exports no `set_option`),
 reads the value back with `get_option`, and leaves the stock behaviour on any failure (one
@@ -23,7 +23,7 @@ import ctypes
 import logging
 import os
 
-from ..accelerators import enabled
+from .registry import enabled
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ object). Meanwhile Dynamo and AOTAutograd trace on the other core; when Inductor
 for the list, it waits for the thread and gets the chosen ISA: the ISA `pick_vec_isa` would
 pick from the full list.
 
-Registered as the accelerator `isa_check_ahead` (shram_static/accelerators.py): with another
+Registered as the accelerator `isa_check_ahead` (registry.py): with another
 torch than it was verified on, or with `SHRAM_STATIC_STOCK=1`, nothing is started.
 """
 
@@ -22,7 +22,7 @@ import platform
 import sys
 import threading
 
-from .accelerators import enabled
+from .registry import enabled
 
 
 def _candidates() -> list | None:

@@ -13,6 +13,8 @@ processes lowering alike (tests/test_lowering.py compares the programs without o
 import torch
 import torch.utils._pytree as pytree
 
+from .forked import run_jobs
+
 
 def _grad_flags(ep) -> dict:
     return {n.name: [bool(getattr(v, "requires_grad", False)) for v in pytree.tree_leaves(n.meta.get("val"))]
@@ -66,9 +68,15 @@ def _put_back(lowered: dict, data: dict) -> None:
                     d[k] = tensors[k]
 
 
-# Registered as the accelerator `parallel_lowering` (shram_static/accelerators.py): `forked.run_jobs`
+# Registered as the accelerator `parallel_lowering` (registry.py): `forked.run_jobs`
 # lowers in one process where it is off.
 edge_program_to_value.accelerator = "parallel_lowering"
+
+
+def lower_in_parallel(jobs: dict, parallel: bool = True) -> dict:
+    """`run_jobs` of jobs that each return a lowered edge `ExportedProgram` (sent back from a
+    forked process as `edge_program_to_value`; all in this process where `parallel_lowering` is off)."""
+    return run_jobs(jobs, edge_program_to_value, edge_program_from_value, parallel)
 
 
 def edge_program_from_value(value: tuple):

@@ -1,12 +1,12 @@
 """torch.fx's code generation deferred during a lowering: ExecuTorch recompiles a graph module
-after every pass and never runs its generated code (`lazy_recompiles`, a lowering speed-up, see
-`lowering.lowering_speedups`).
+after every pass and never runs its generated code (`lazy_recompiles`, accelerator
+`lazy_recompiles`; one of `accelerators.lowering()`).
 """
 
 import contextlib
 import weakref
 
-from ..accelerators import enabled
+from .registry import enabled
 
 
 @contextlib.contextmanager

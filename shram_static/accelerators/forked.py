@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from ..accelerators import enabled
+from .registry import enabled
 
 
 def usable_cpus() -> int:
