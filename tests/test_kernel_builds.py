@@ -169,3 +169,27 @@ def test_combined_source_renames_each_entry_and_binds_it():
     assert src.count('{"kernel_0", kernel_0_py') == 1 and src.count('{"kernel_1", kernel_1_py') == 1
     assert "PyInit_kernel(void)" in src and src.count("static PyMethodDef py_methods[]") == 1
     assert "requires 4 args" in src and "requires 3 args" in src
+
+
+def test_after_hook_compiles_a_dynamo_compile_builds_in_batches_and_calls_go_straight(threads, files):
+    """`hook_compiles()` (what `accelerators.prepare_compile` installs when a compiled step is
+    built) batches the kernels of every later compile with no context around the call, and
+    leaves the batching off between compiles."""
+    from torch._dynamo.callback import callback_handler
+
+    threads(2)
+    assert kernel_builds.hook_compiles()
+    torch._dynamo.reset()  # clears Dynamo's callbacks: registered again
+    assert kernel_builds.hook_compiles() and kernel_builds.hook_compiles()
+    assert len(callback_handler.start_callbacks) == len(set(callback_handler.start_callbacks)) >= 1
+
+    def fn(x):  # a scan, a reduction and a sort: kernels Inductor does not fuse
+        a = x.sin().cumsum(0) * 3
+        b = (a - a.amax(0)).exp().cumsum(1)
+        return a, b, torch.sort(b + x.cos(), dim=0).values * b.sum()
+    x = torch.randn(6, 5)
+    out = torch.compile(fn, fullgraph=True)(x)
+    for got, want in zip(out, fn(x)):
+        torch.testing.assert_close(got, want)
+    assert files and max(files) >= 2  # kernels of one module shared a file
+    assert kernel_builds._depth == 0  # off again once the compile ended

@@ -35,7 +35,7 @@ _NAME = re.compile(r"\bkernel\b")
 _lock = threading.Lock()
 _original = None  # Inductor's AsyncCompile.cpp_pybinding, once patched
 _depth = 0  # nesting of batched_builds() (process-wide: Dynamo's end callback may run on another thread)
-_hooked: list = []  # the Dynamo callbacks of hook_compiles(), once registered
+_hook = None  # (start, end): the Dynamo callbacks of hook_compiles(), once made
 
 
 @contextlib.contextmanager
@@ -59,36 +59,38 @@ def batched_builds():
 
 def hook_compiles() -> bool:
     """Enters `batched_builds()` for the length of every Dynamo compile in this process (its
-    compile start/end callbacks), once; returns whether the hook is in place.
+    compile start/end callbacks); registers them again after a `torch._dynamo.reset()`, which
+    clears them. Returns whether they are in place.
 
     WHY Dynamo's callbacks (private): a compile starts inside whatever call first needs it
     (a first call, failed guards, a lazy backward); wrapping every call would put the
     context on the per-token path. Where the accelerator is off, or Dynamo has no such
     callbacks, nothing is registered.
     """
-    if _hooked or not enabled("batched_kernel_builds"):
-        return bool(_hooked)
+    global _hook
+    if not enabled("batched_kernel_builds"):
+        return False
     try:
-        from torch._dynamo.callback import callback_handler
-        register_start, register_end = callback_handler.register_start_callback, callback_handler.register_end_callback
+        from torch._dynamo.callback import callback_handler as handler
+        registered = handler.start_callbacks
     except (ImportError, AttributeError):  # another torch: its compiles build as Inductor does
         return False
     with _lock:
-        if _hooked:
-            return True
-        entered = []  # one context per compile: Dynamo runs start/end for the outermost only
+        if _hook is None:
+            entered = []  # one context per compile: Dynamo runs start/end for the outermost only
 
-        def start(_args):
-            ctx = batched_builds()
-            ctx.__enter__()
-            entered.append(ctx)
+            def start(_args):
+                ctx = batched_builds()
+                ctx.__enter__()
+                entered.append(ctx)
 
-        def end(_args):
-            if entered:
-                entered.pop().__exit__(None, None, None)
-        register_start(start)
-        register_end(end)
-        _hooked.extend([start, end])
+            def end(_args):
+                if entered:
+                    entered.pop().__exit__(None, None, None)
+            _hook = start, end
+        if _hook[0] not in registered:
+            handler.register_start_callback(_hook[0])
+            handler.register_end_callback(_hook[1])
     return True
 
 
