@@ -30,11 +30,9 @@ def _op_name(node) -> str:
 
 
 def _pass_triggers() -> dict:
-    """Pass name -> predicate on a node: the pass can change the graph only if some node
-    satisfies it. XNNPACK's `preprocess` passes (per partition) and ExecuTorch's ATen-to-edge and
-    edge-to-ExecuTorch passes (per method), read off each pass's source in the ExecuTorch releases
-    the accelerators were verified on; each rewrites only the nodes named here and
-    otherwise re-traces the graph."""
+    """Pass name -> predicate on a node: the pass (XNNPACK's `preprocess`, ExecuTorch's ATen-to-edge
+    and edge-to-ExecuTorch passes) can change the graph only if some node satisfies it (read off
+    each pass's source in the verified ExecuTorch releases)."""
     from executorch.backends.xnnpack.utils.quant_utils import is_dequant, is_quant
     from executorch.exir.passes.dim_order_ops_registry import MemoryFormatOpsMap
     from executorch.exir.passes.legalize_portable_dim_order_pass import LegalizePortableDimOrderPass
@@ -57,10 +55,8 @@ def _pass_triggers() -> dict:
 
     dim_order_ops = {getattr(op, "__name__", str(op)) for op in MemoryFormatOpsMap}
     return {
-        # Its patterns (partition/graphs/bilinear_2d.py) are the single upsample op.
         "ConvertToUpsampleBilinear2d": named("aten.upsample_bilinear2d.vec"),
-        # Every pattern of partition/graphs/sdpa.py holds logical_not, full_like and any.dim
-        # (the boolean-mask handling of F.scaled_dot_product_attention's decomposition).
+        # Every pattern of partition/graphs/sdpa.py holds logical_not (its boolean-mask handling).
         "ConvertToSDPAPass": named("aten.logical_not.default"),
         "FuseBatchNormPass": named("aten.native_batch_norm.default",
                                    "aten._native_batch_norm_legit_no_training.default"),
@@ -74,9 +70,8 @@ def _pass_triggers() -> dict:
         # Only copies metadata onto quantize/dequantize nodes.
         "PropagateCustomMetaPass": lambda n: n.op == "call_function" and (is_quant(n) or is_dequant(n)),
         "DimOrderOpsRevertPass": lambda n: _op_name(n) in dim_order_ops,
-        # Folds a call only when every argument is a real tensor or a constant; in its re-trace
-        # every placeholder (weights included) is a fake tensor, so folding starts at a call
-        # without graph inputs (a creation op) or never. No XNNPACK pass before it makes one.
+        # Folds a call only when every argument is a real tensor; in its re-trace every placeholder
+        # is fake, so folding starts at a call without graph inputs (a creation op) or never.
         "ConstPropPass": lambda n: n.op == "call_function" and not n.all_input_nodes,
         # Fuses a relu/hardtanh into the op before it (not clamp).
         "FuseActivationPass": named("aten.relu.default", "aten.hardtanh.default"),
@@ -92,31 +87,17 @@ def _pass_triggers() -> dict:
         # Replaces view ops by their _copy variants; runs after ReplaceViewOpsWithViewCopyOpsPass.
         "ReplaceBrokenOpsWithFunctionalOpsPass": lambda n: (
             n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.is_view),
-        # (edge -> ExecuTorch) Copies to the default dim order the input of a portable mean/sum/
-        # expand/pooling that has another; a SHRAM step's tensors are all contiguous.
+        # (edge -> ExecuTorch) Copies to the default dim order a portable op's input with another.
         "LegalizePortableDimOrderPass": non_default_dim_order_input,
     }
 
 
 def needed_xnnpack_passes(graph_module: torch.fx.GraphModule, passes: list) -> list:
-    """The passes of `passes` (classes) that can change `graph_module`: those without a trigger
-    in `_pass_triggers`, and those with one that some node of the graph satisfies. Order kept.
-
-    Args:
-        graph_module: an XNNPACK partition in edge dialect.
-        passes: XNNPACK pass classes, in the order XNNPACK runs them.
-
-    Returns:
-        The sub-list of `passes` to run.
-    """
-    triggers = _pass_triggers()
-    nodes = list(graph_module.graph.nodes)
-    keep = []
-    for p in passes:
-        hit = triggers.get(p.__name__)
-        if hit is None or any(hit(n) for n in nodes):
-            keep.append(p)
-    return keep
+    """The XNNPACK pass classes of `passes` that can change `graph_module` (an XNNPACK partition
+    in edge dialect): those without a trigger in `_pass_triggers`, and those with one that some
+    node satisfies; in their order."""
+    triggers, nodes = _pass_triggers(), list(graph_module.graph.nodes)
+    return [p for p in passes if p.__name__ not in triggers or any(map(triggers[p.__name__], nodes))]
 
 
 @contextlib.contextmanager
@@ -124,15 +105,11 @@ def needed_xnnpack_passes_only():
     """Within the block, XNNPACK's `preprocess` runs on each partition only the passes of its
     default list that can change that partition (`needed_xnnpack_passes`).
 
-    WHY: `preprocess` runs all 17 of its passes on every partition, and each one re-traces the
-    partition with fake tensors and re-checks it, whether or not the partition holds anything
-    the pass rewrites; the two pattern passes also trace their pattern graphs once per process
-    A SHRAM step has no convolution, batch norm, PReLU, upsampling, pooling or SDPA, so
-    most of them re-trace for nothing (what that costs: docs/performance.md, "Accelerators").
-    ExecuTorch's maintainers cut the same cost the same way for their llama export (pytorch/
-    executorch#1893: only ConvertToLinearPass for dynamically quantized linears); the pass list
-    is the only hook, so the default list is filtered where it is built. Restored on exit;
-    runs only on the releases it was verified on (registry.py).
+    WHY: `preprocess` runs all 17 of its passes on every partition, each re-tracing it with fake
+    tensors whether or not it holds anything the pass rewrites; a SHRAM step has no convolution,
+    batch norm, PReLU, upsampling, pooling or SDPA. ExecuTorch's llama export cuts the same cost
+    the same way (pytorch/executorch#1893); the pass list is the only hook, so the default list is
+    filtered where it is built.
     """
     if not enabled("needed_xnnpack_passes"):  # off: the stock path
         yield
@@ -169,18 +146,14 @@ class _GatedPass:
 
 
 def _view_ops_to_copies_in_place(graph_module) -> bool | None:
-    """What torch's `ReplaceViewOpsWithViewCopyOpsPass` (torch 2.13-2.14) does to a graph
-    without higher-order ops, as a change of targets in place: every ATen view op becomes its
-    `_copy` variant (`_unsafe_view`: `view_copy`), same arguments.
+    """What torch's `ReplaceViewOpsWithViewCopyOpsPass` does to a graph without higher-order ops,
+    as a change of targets in place: every ATen view op becomes its `_copy` variant.
 
-    Node values keep the views' strides (shapes and dtypes are the copies'), until
-    `one_edge_conversion_trace`'s fused re-trace recomputes them. Before it, only `to_edge`'s
-    `RemoveToCopyPass` reads a stride: it drops a same-dtype `_to_copy` whose input and output
-    strides agree. With every view a copy, every tensor is dense, so the stock pass drops each
-    such `_to_copy` that keeps the input's layout; on the views' values it decides the same
-    unless the input is a view that is not dense (a strided slice, an expand: its copy is laid
-    out contiguously) or the `_to_copy` asks for a layout (a transposed view's copy already has
-    it). A graph with such a `_to_copy`, or with a higher-order op, is left untouched.
+    Node values keep the views' strides until the fused re-trace recomputes them; before it only
+    `to_edge`'s `RemoveToCopyPass` reads a stride (it drops a same-dtype `_to_copy` whose input
+    and output strides agree), and decides the same on the views' values unless the input is a
+    view that is not dense or the `_to_copy` asks for a layout. A graph with such a `_to_copy`,
+    or with a higher-order op, is left untouched.
 
     Returns:
         Whether any node changed; None if the graph was left for the stock pass.
@@ -217,24 +190,12 @@ def edge_program_passes():
     in one re-trace of each method instead of four (`one_edge_conversion_trace`).
 
     WHY the skips: each of those passes is an `ExportPass` that re-traces every node with fake
-    tensors to rewrite a few ops a static SHRAM step does not hold (`aten.t`, a SymInt argument,
-    a view op left after the view-to-copy pass).
-    WHY the fusion: `ScalarToTensorPass`, `RemoveMixedTypeOperators`, `OpReplacePass` (ATen -> edge ops)
-    and `MemoryFormatOpsPass` (`_to_copy` -> `_to_dim_order_copy`) are `ExportPass`es that each
-    re-trace every node with fake tensors to rewrite single calls: four full traces per method.
-    Each overrides only `call_operator` and hands its
-    result to `super().call_operator`, so one class deriving from all four, in `to_edge`'s
-    order, applies them to each call in turn (what the cast inserted for a mixed-type add goes
-    through next is OpReplace and MemoryFormat, as in the separate passes). Between the first
-    and the second, `to_edge` runs three graph-level clean-ups (`RemoveNoopPass`,
-    `PruneEmptyTensorsPass`, `RemoveToCopyPass`) that match ATen no-op copies, slices and
-    empty cat inputs, none of which a scalar argument turned into a tensor creates or removes,
-    so they now run before the fused trace. The view-to-copy pass that `to_edge` runs before
-    all of them (torch's `ReplaceViewOpsWithViewCopyOpsPass`, one more full re-trace per method)
-    rewrites one call at a time too, an op for its `_copy`
-    variant with the same arguments; it becomes that change of each node's target in place
-    (`_view_ops_to_copies_in_place`), and the fused trace after it recomputes every value.
-    tests/test_lowering.py compares the emitted bytes with ExecuTorch's stock lowering.
+    tensors to rewrite a few ops a static SHRAM step does not hold (`aten.t`, a SymInt argument).
+    WHY the fusion: the four (`_PER_OP_EDGE_PASSES`) each re-trace every node to rewrite single
+    calls, each overriding only `call_operator` (ending in `super().call_operator`), so one class
+    deriving from all four, in `to_edge`'s order, applies them to each call in turn. The
+    clean-ups `to_edge` runs between the first two match nothing a scalar turned into a tensor
+    makes, so they run first. Torch's view-to-copy pass becomes a change of targets in place.
     Every attribute of ExecuTorch's `_program` both touch is replaced here only, from the stock
     functions read on entry (neither depends on what another patch replaced); restored on exit.
     """

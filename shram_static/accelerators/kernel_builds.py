@@ -1,23 +1,14 @@
 """The C++ kernels of one compiled step built as a few files, not one file each.
 
-In its Python-wrapper mode Inductor builds every C++ kernel of a graph as its own shared
-library: the generated wrapper module calls `AsyncCompile.cpp_pybinding(argtypes, source)`
-once per kernel (one g++ run each, `compile_threads` at a time) and `AsyncCompile.wait` before
-the graph first runs. Each g++ run pays a fixed cost, most of it instantiating the templates of
-`cpp_prefix.h`, which its precompiled header leaves to every translation unit; with a cold
-compile cache (a new user's first run) that fixed cost is a large share of a step's C++ build
-time (docs/performance.md, "Accelerators").
-
-While `batched_builds()` is entered, the kernels one wrapper module asks for are collected
-instead, and built when its `wait` (or anything else) first needs one: split into
-`compile_threads` files of about equal size (so the builds still run side by side), each file
-the kernels' own sources with the entry function renamed `kernel_<i>`, and Python bindings made
-by Inductor's own template, built and loaded through Inductor's `CppPythonBindingsCodeCache`
-(same flags, same on-disk cache). A kernel whose source does not allow the renaming, or a file
-that fails to build or load, is built the way Inductor builds it. `hook_compiles()` enters it
-for every Dynamo compile (Dynamo's compile start/end callbacks, lazy backward compiles
-included), so it acts only while something compiles; a compiled call costs nothing more.
-With one compile thread, or the accelerator `batched_kernel_builds` off, Inductor's path is untouched.
+Inductor's Python wrapper builds every C++ kernel as its own shared library
+(`AsyncCompile.cpp_pybinding(argtypes, source)`: one g++ run each), and each run pays a fixed
+cost, most of it instantiating the templates of `cpp_prefix.h`: with a cold compile cache a
+large share of a step's build time. While `batched_builds()` is entered, the kernels one wrapper
+module asks for are collected and built, when first needed, as `compile_threads` files of
+about equal size, each entry renamed `kernel_<i>` and bound by Inductor's own template, through
+Inductor's `CppPythonBindingsCodeCache` (same flags, same on-disk cache). A kernel that does not
+allow the renaming, or a file that fails to build, is built as Inductor builds it.
+`hook_compiles()` enters it for every Dynamo compile, so it acts only while something compiles.
 """
 
 import contextlib
@@ -41,8 +32,7 @@ _hook = None  # (start, end): the Dynamo callbacks of hook_compiles(), once made
 @contextlib.contextmanager
 def batched_builds():
     """Within this context, the C++ kernels of each graph Inductor compiles are built a few
-    files at a time. Installs the patch on first use; nests; yields nothing. Does nothing where
-    the accelerator `batched_kernel_builds` is off."""
+    files at a time (where `batched_kernel_builds` is on). Installs the patch on first use; nests."""
     global _depth
     if not enabled("batched_kernel_builds"):
         yield
@@ -59,14 +49,10 @@ def batched_builds():
 
 def hook_compiles() -> bool:
     """Enters `batched_builds()` for the length of every Dynamo compile in this process (its
-    compile start/end callbacks); registers them again after a `torch._dynamo.reset()`, which
-    clears them. Returns whether they are in place.
-
-    WHY Dynamo's callbacks (private): a compile starts inside whatever call first needs it
-    (a first call, failed guards, a lazy backward); wrapping every call would put the
-    context on the per-token path. Where the accelerator is off, or Dynamo has no such
-    callbacks, nothing is registered.
-    """
+    compile start/end callbacks, registered again after a `torch._dynamo.reset()` clears them);
+    returns whether they are in place. WHY Dynamo's callbacks (private): a compile starts inside
+    whatever call first needs it (a first call, failed guards, a lazy backward); wrapping every
+    call would put the context on the per-token path."""
     global _hook
     if not enabled("batched_kernel_builds"):
         return False
@@ -77,17 +63,8 @@ def hook_compiles() -> bool:
         return False
     with _lock:
         if _hook is None:
-            entered = []  # one context per compile: Dynamo runs start/end for the outermost only
-
-            def start(_args):
-                ctx = batched_builds()
-                ctx.__enter__()
-                entered.append(ctx)
-
-            def end(_args):
-                if entered:
-                    entered.pop().__exit__(None, None, None)
-            _hook = start, end
+            stack = contextlib.ExitStack()  # Dynamo runs start/end for the outermost compile only
+            _hook = lambda _args: stack.enter_context(batched_builds()), lambda _args: stack.close()  # noqa: E731
         if _hook[0] not in registered:
             handler.register_start_callback(_hook[0])
             handler.register_end_callback(_hook[1])
@@ -118,9 +95,7 @@ def _cpp_pybinding(self, argtypes, source_code):
 
 
 @functools.cache
-def _future_type():
-    # WHY made on first use: the package imports this module, and importing Inductor's
-    # codecache at that point would add its import time to every command.
+def _future_type():  # WHY on first use: importing Inductor's codecache costs every command
     from torch._inductor.codecache import CodeCacheFuture
 
     class KernelFuture(CodeCacheFuture):

@@ -1,7 +1,5 @@
-"""The first two stages of a `.pte` export, `torch.export.export` and ExecuTorch's
-`to_edge_transform_and_lower`, with export and decomposition in one trace per method where the
-stock stages take four (`export_and_lower`, accelerator `one_trace_lowering`).
-"""
+"""`torch.export.export` -> `to_edge_transform_and_lower` with export and decomposition in one
+trace per method where the stock stages take four (accelerator `one_trace_lowering`)."""
 
 import dataclasses
 import functools
@@ -12,30 +10,18 @@ import torch
 from .registry import enabled
 
 
-def drop_provenance(ep) -> None:
-    """Deletes the `from_node` provenance of every node of an exported program, in place.
-
-    WHY: torch.fx records, on every node a pass creates, a deep copy of the whole provenance
-    chain of the node it came from, so each of lowering's hundreds of passes copies chains that
-    grow with every pass (`copy.deepcopy` under `fx.traceback.NodeSource` was a large share of
-    a profiled lowering). Provenance is debugging metadata; the program does not change.
-    """
-    for node in ep.graph.nodes:
-        node.meta.pop("from_node", None)
-
-
-def drop_metadata_asserts(ep) -> None:
-    """Erases torch.export's `_assert_tensor_metadata` nodes (no users), in place.
-
-    WHY: strict export emits one per `.to(dtype)`/`.float()` (56 of the 818 nodes of the tiny
-    model's decode graph, most of them same-dtype no-ops), and ExecuTorch removes them only
-    after decomposing the graph three times; every pass until then re-traces them.
-    """
+def _lighter(ep):
+    """`ep` without `from_node` provenance and without unused `_assert_tensor_metadata` nodes, in
+    place. WHY: every pass deep-copies a node's whole provenance chain onto the nodes it makes,
+    and re-traces the asserts (one per `.to(dtype)`) until ExecuTorch removes them; neither is
+    part of the program."""
     target = torch.ops.aten._assert_tensor_metadata.default
     for node in list(ep.graph.nodes):
+        node.meta.pop("from_node", None)
         if node.op == "call_function" and node.target is target and not node.users:
             ep.graph.erase_node(node)
     ep.graph_module.recompile()
+    return ep
 
 
 def export_decomposed(mod: torch.nn.Module, args: tuple, decompositions: dict):
@@ -43,17 +29,13 @@ def export_decomposed(mod: torch.nn.Module, args: tuple, decompositions: dict):
     trace: the module traced straight to functional ATen with `decompositions` applied.
 
     WHY: the public flow traces the module to the training IR, then `run_decompositions`
-    traces that whole graph again (about half of a method's time before its conversion to
-    edge). This is what that second trace runs (torch 2.13's
-    `_decompose_and_get_gm_with_new_signature_constants`: `_export_to_aten_ir` with the
-    non-CIA decompositions, under `_override_composite_implicit_decomp` for the CIA ones), run
-    by torch.export's own non-pre-dispatch path (`_export(pre_dispatch=False)`, what
-    `torch.export.export` ran before the training IR) on the module itself, followed by the
-    same removal of the redundant `copy` that a buffer mutation leaves at the output. A module
-    holding tensor subclasses (torchao's quantized weights) takes the public flow's two traces.
-
-    Traced under no_grad: in-place writes into buffers computed from parameters that require
-    grad fail in ExecuTorch's passes.
+    traces that whole graph again. This runs what that second trace runs (torch's
+    `_decompose_and_get_gm_with_new_signature_constants`: `_export_to_aten_ir` with the non-CIA
+    decompositions, under `_override_composite_implicit_decomp` for the CIA ones) through
+    torch.export's own non-pre-dispatch path on the module itself, then the same removal of the
+    redundant `copy` a buffer mutation leaves. A module holding tensor subclasses (torchao's
+    quantized weights) takes the public flow's two traces. Under no_grad: in-place writes into
+    buffers computed from parameters that require grad fail in ExecuTorch's passes.
 
     Args:
         mod: the module (in eval mode, its inputs static).
@@ -69,9 +51,7 @@ def export_decomposed(mod: torch.nn.Module, args: tuple, decompositions: dict):
         # unwraps them; its second trace is then the price.
         with torch.no_grad():
             ep = torch.export.export(mod, args, strict=False)
-        drop_provenance(ep)
-        drop_metadata_asserts(ep)
-        return ep.run_decompositions(decompositions)
+        return _lighter(ep).run_decompositions(decompositions)
 
     from torch.export import _trace
     from torch.export.exported_program import (_override_composite_implicit_decomp,
@@ -95,23 +75,18 @@ def export_and_lower(methods: dict, partitioner, constant_methods: dict, compile
     with one trace per method for export and decomposition (`export_decomposed`) where the
     stock call takes four; when that would not give the stock program, the stock calls.
 
-    WHY: the stock call, for a partitioner that checks op support (XNNPACK's does), runs
-    `run_decompositions` three times per method (functionalize; decompose all but the ops the
-    partitioner asks to keep; decompose again those of the kept ops it then rejects), each a
-    full re-trace of the graph after export's own. ExecuTorch's public two-step flow (`to_edge` with
-    `EdgeCompileConfig.preserve_ops`, then `to_backend`) functionalizes and decomposes in one
-    pass, here fused with the export's trace. The only difference is for a kept op the
-    partitioner would then reject (e.g. a linear XNNPACK cannot take): the stock call decomposes
-    it, the two-step flow would leave it whole. So each kept op of the edge graph is checked
-    with the partitioner's own support check first, and any rejection falls back to the stock
-    calls (never taken by a SHRAM step: every kept op is a delegated linear or torchao quant op).
+    WHY: for a partitioner that checks op support (XNNPACK's), the stock call runs
+    `run_decompositions` three times per method, each a full re-trace after export's own.
+    ExecuTorch's public two-step flow (`to_edge` with `preserve_ops`, then `to_backend`)
+    decomposes once, here fused with the export's trace. It differs only for a kept op the
+    partitioner then rejects (the stock call decomposes it): each kept op is checked with the
+    partitioner's own support check, and any rejection falls back to the stock calls.
 
     Args:
-        methods: method name -> (module, example positional inputs); traced with strict=False
-            under no_grad.
+        methods: method name -> (module, example positional inputs); strict=False, no_grad.
         partitioner: one partitioner for every method.
         constant_methods: as for `to_edge_transform_and_lower`.
-        compile_config: an `EdgeCompileConfig`; its `preserve_ops` is extended, not replaced.
+        compile_config: an `EdgeCompileConfig` (its `preserve_ops` is extended, not replaced).
 
     Returns:
         The lowered `EdgeProgramManager`.
@@ -131,7 +106,8 @@ def export_and_lower(methods: dict, partitioner, constant_methods: dict, compile
     present = {n.target for ep in programs.values() for n in ep.graph.nodes if n.op == "call_function"}
     keep = [op for op in kept if op in present]
     config = dataclasses.replace(compile_config, preserve_ops=list(compile_config.preserve_ops) + keep)
-    # `to_edge` without its `run_decompositions` (done above, with the same table).
+    # `to_edge` without its `run_decompositions` (done above, with the same table); read when
+    # called, as `to_edge` reads it, so the edge-pass accelerators of `lowering()` apply.
     edge = EdgeProgramManager({name: _program._generate_edge_program(config, ep, preserve_ops=config.preserve_ops)
                                for name, ep in programs.items()}, constant_methods, config)
     for name in programs:

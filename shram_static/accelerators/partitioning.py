@@ -64,17 +64,12 @@ def faster_partitioning():
     """Within the block, ExecuTorch's partitioning of a graph into delegates gives the same
     partitions and the same graph in time linear, not quadratic, in the partition count.
 
-    WHY: in a profile of the bench model's `.pte` lowering, most of `to_backend` outside
-    XNNPACK's preprocessing was two quadratic steps. (1) `GroupBasedPartitioner`
-    tries to merge every pair of candidate partitions, each try scanning whole downstream sets
-    in a Python generator: `_can_merge_partitions` answers the same with
-    `set.isdisjoint`. (2) `create_submodule_from_nodes` calls `legalize_graph` after cutting
-    out each delegate, which copies every node of the whole graph into a new one
-    and regenerates its Python code: the same order is applied to the same nodes in place, and
-    the code is regenerated once per graph when the block ends (nothing runs the graph module
-    in between: delegates are cut from and lowered off its `graph`). Both functions are read
-    when called, so they are swapped for the block only;
-    runs only on the releases it was verified on (registry.py).
+    WHY: most of `to_backend` outside XNNPACK's preprocessing was two quadratic steps. (1)
+    `GroupBasedPartitioner` tries to merge every pair of partitions, each try scanning whole
+    downstream sets in a Python generator: `_can_merge_partitions` asks the same with
+    `set.isdisjoint`. (2) after cutting out each delegate, `legalize_graph` copies every node of
+    the graph into a new one and regenerates its code: the same order is applied in place, and
+    the code regenerated once when the block ends (nothing runs the module in between).
     """
     if not enabled("linear_partitioning"):  # off: the stock path
         yield

@@ -6,8 +6,7 @@ anywhere else it stays off, the stock path runs, and one debug-level line says s
 `SHRAM_STATIC_STOCK=1` (or `set_stock(True)` / `with stock():`) turns every one off;
 `SHRAM_STATIC_STOCK=name,name` turns off the named ones (for measuring one against the stock path).
 
-A leaf module: it imports neither torch nor ExecuTorch (versions are read from the installed
-distributions' metadata).
+A leaf module: it imports neither torch nor ExecuTorch (versions come from package metadata).
 """
 
 import contextlib
@@ -31,14 +30,9 @@ ONNXSCRIPT = ("0.7.2",)
 
 @dataclasses.dataclass(frozen=True)
 class Accelerator:
-    """One registered accelerator.
-
-    Attributes:
-        name: the name `SHRAM_STATIC_STOCK` and `enabled` take.
-        where: the function or module of this package that applies it.
-        internals: the private names it patches or re-implements.
-        verified: distribution name -> the releases it was verified on.
-    """
+    """One accelerator: its name (for `SHRAM_STATIC_STOCK` and `enabled`), where it is applied
+    (module.function of this package), the private internals it touches, and `verified`:
+    distribution -> the releases it was verified on."""
 
     name: str
     where: str
@@ -127,16 +121,11 @@ def _env_off(raw: str) -> frozenset | bool:
     return names
 
 
-def public_version(v: str | None) -> str | None:
-    """'2.14.1' for '2.14.1+cu130' (the local build tag dropped); None stays None."""
-    return None if v is None else v.split("+", 1)[0]
-
-
 @functools.cache
 def installed_version(dist: str) -> str | None:
-    """The installed release of a distribution (local tag dropped), None if not installed."""
+    """The installed release of a distribution ('2.14.1' for '2.14.1+cu130'), None if not installed."""
     try:
-        return public_version(metadata.version(dist))
+        return metadata.version(dist).split("+", 1)[0]
     except metadata.PackageNotFoundError:
         return None
 
@@ -187,11 +176,8 @@ def decide(name: str, stock_switch: bool | None, env: str) -> bool:
     return True
 
 
-# ----------------------------------------------------------------------------------------
-# Supported versions (checked when the package is imported)
-# ----------------------------------------------------------------------------------------
-
-# Oldest supported release of each core dependency, and the newest release line tested.
+# Supported versions (checked when the package is imported): the oldest release of each core
+# dependency, and the newest release line tested.
 SUPPORTED = {"torch": ((2, 13), (2, 14)), "executorch": ((1, 4), (1, 5))}
 
 
@@ -213,15 +199,13 @@ def check_versions(versions: dict | None = None) -> list[str]:
     """Checks torch and ExecuTorch against `SUPPORTED`.
 
     Args:
-        versions: distribution -> version string (None: not installed); default the installed ones.
+        versions: distribution -> version (None: not installed); default the installed ones.
 
     Returns:
-        One line per package newer than the newest release line tested (it may work; every
-        accelerator that touches it is off).
+        One line per package newer than the newest release line tested (its accelerators are off).
 
     Raises:
-        UnsupportedVersionError: torch missing, or torch / ExecuTorch older than supported;
-            the message names the supported versions and the command that installs them.
+        UnsupportedVersionError: torch missing, or torch / ExecuTorch older than supported.
     """
     if versions is None:
         versions = {d: installed_version(d) for d in SUPPORTED}
