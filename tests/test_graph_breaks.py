@@ -90,7 +90,7 @@ def test_compiled_steps_never_recompile_and_match_eager(model, B):
     # The layer region's calls take flat arguments, which Dynamo fingerprints for reuse without
     # tracing pytree's flatten (step.py; seconds of a cold compile).
     fingerprint = torch._dynamo.variables.invoke_subgraph
-    # Each step's C++ kernels are built a few files at a time (kernel_builds.py).
+    # Each step's C++ kernels are built a few files at a time (accelerators/kernel_builds.py).
     contraction = []  # Inductor's C++ contraction setting while it wrote each step's code
 
     def save(code):

@@ -347,7 +347,7 @@ def test_compiled_generate_never_recompiles_and_matches_eager(compiled):
 
 def test_compiled_generate_builds_its_kernels_a_few_files_at_a_time(compiled):
     """generate()'s compiled forward builds its graph's C++ kernels as at most compile_threads
-    files (kernel_builds.py), not one g++ run per kernel."""
+    files (accelerators/kernel_builds.py), not one g++ run per kernel."""
     model, _, _, batches = compiled
     assert model.get_compiled_call(model.generation_config.compile_config) is \
         model.get_compiled_call(model.generation_config.compile_config)  # one wrapper, kept
