@@ -408,3 +408,39 @@ def test_a_method_lowered_elsewhere_emits_the_same_program():
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
     outs = [Runtime.get().load_program(b).load_method("prefill").execute([x, pos])[0] for b in (here, there)]
     assert torch.equal(outs[0], outs[1])
+
+
+@needs('needed_xnnpack_passes', 'needed_edge_passes', 'one_edge_conversion_trace', 'linear_partitioning',
+       'lazy_recompiles')
+def test_lowering_patches_do_not_depend_on_the_order_they_are_entered():
+    """Each lowering patch owns the attributes it replaces: entered in either order they replace
+    the same attributes, give ExecuTorch the same pass lists, and restore everything on exit."""
+    import contextlib
+
+    from executorch.backends.xnnpack import _passes
+    from executorch.exir import EdgeCompileConfig
+    from executorch.exir import lowered_backend_module as lbm
+    from executorch.exir.backend.canonical_partitioners.group_partitioner import GroupBasedPartitioner
+    from executorch.exir.program import _program
+    from torch.fx import GraphModule
+
+    from shram_static.accelerators.edge_passes import edge_program_passes, needed_xnnpack_passes_only
+    from shram_static.accelerators.partitioning import faster_partitioning
+    from shram_static.accelerators.recompiles import lazy_recompiles
+
+    watched = [(_program, n) for n in ("_get_aten_to_edge_passes", "edge_to_executorch_passes",
+                                       "_generate_edge_program", "OpReplacePass", "MemoryFormatOpsPass")]
+    watched += [(_passes.XNNPACKPassManager, "__init__"), (GroupBasedPartitioner, "_can_merge_partitions"),
+                (lbm, "legalize_graph"), (GraphModule, "recompile")]
+    stock = [getattr(o, n) for o, n in watched]
+    seen = []
+    patches = [lazy_recompiles, edge_program_passes, needed_xnnpack_passes_only, faster_partitioning]
+    for order in (patches, patches[::-1]):
+        with contextlib.ExitStack() as stack:
+            for p in order:
+                stack.enter_context(p())
+            replaced = [n for (o, n), s in zip(watched, stock) if getattr(o, n) is not s]
+            pre, post = _program._get_aten_to_edge_passes(EdgeCompileConfig())
+            seen.append((replaced, [type(p).__name__ for p in pre + post]))
+        assert [getattr(o, n) for o, n in watched] == stock
+    assert seen[0] == seen[1] and len(seen[0][0]) == 7  # not the two pass classes swapped per call
