@@ -85,6 +85,32 @@ def test_supported_versions_are_checked():
             check_versions(versions)
 
 
+def test_stock_patches_nothing():
+    """With every accelerator off, the seam's compile hook and stage blocks replace nothing."""
+    from executorch.backends.xnnpack import _passes
+    from executorch.exir import lowered_backend_module as lbm
+    from executorch.exir.backend.canonical_partitioners.group_partitioner import GroupBasedPartitioner
+    from executorch.exir.program import _program
+    from onnxscript import rewriter
+    from torch._dynamo.callback import callback_handler
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.async_compile import AsyncCompile
+
+    from shram_static import accelerators
+
+    def watched():
+        return (list(callback_handler.start_callbacks), AsyncCompile.cpp_pybinding, cpu_vec_isa.valid_vec_isa_list,
+                _program._generate_edge_program, _program._get_aten_to_edge_passes, _program.edge_to_executorch_passes,
+                _passes.XNNPACKPassManager.__init__, GroupBasedPartitioner._can_merge_partitions, lbm.legalize_graph,
+                torch.fx.GraphModule.recompile, rewriter._DEFAULT_REWRITE_RULES)
+    before = watched()
+    with stock():
+        accelerators.prepare_compile("cpu")
+        with accelerators.lowering(), accelerators.onnx_export():
+            assert watched() == before
+    assert watched() == before
+
+
 @pytest.mark.heavy
 def test_importing_with_an_old_torch_names_the_supported_versions():
     code = ("import importlib.metadata as m\n"
