@@ -131,9 +131,8 @@ class StaticDecoder(HostDecoder):
         self.compiled = compile
         self.skip_guards = False  # deprecated: Dynamo checks each step's guards on every call
         self._held: set[str] | None = None  # inside `steady`: the steps whose weights were checked there
-        if compile:  # Inductor's ISA check beside the first trace; kernels built in batches
-            accelerators.prepare_compile(p.device.type)
         if compile:
+            accelerators.prepare_compile(p.device.type)  # ISA check beside the first trace; batched builds
             # Separate compiled functions (one code object each), so each step owns exactly
             # one graph and no shape ever triggers a recompile of another.
             self.decode_step = torch.compile(self._decode_step, fullgraph=True, dynamic=False,

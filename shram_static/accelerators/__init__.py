@@ -11,17 +11,22 @@ The rest of the package reaches them through these names only, each wrapping a w
   * `run_jobs(...)`, `lower_in_parallel(...)`: independent jobs in forked processes;
   * `onnx_export()`: the block around `torch.onnx.export`;
   * `share_packed_weights()`: before a `.pte` is loaded (XNNPACK's weight cache).
-Importing it imports no compiler or exporter module (each is imported when used).
+Importing it imports neither torch nor ExecuTorch: each name is imported when first used.
 """
 
 import contextlib
+import importlib
 
-from .backend_options import share_packed_weights  # noqa: F401
-from .edge_transfer import lower_in_parallel  # noqa: F401
-from .forked import run_jobs  # noqa: F401
-from .one_trace import export_and_lower  # noqa: F401
-from .onnx_rules import without_onnx_rewrite_rules as onnx_export  # noqa: F401
 from .registry import UnsupportedVersionError, check_versions, enabled, set_stock, stock  # noqa: F401
+
+_LAZY = {"share_packed_weights": "backend_options", "lower_in_parallel": "edge_transfer", "run_jobs": "forked",
+         "export_and_lower": "one_trace", "onnx_export": "onnx_rules"}  # name -> the module defining it
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
 
 
 def prepare_compile(device_type: str = "cpu") -> None:

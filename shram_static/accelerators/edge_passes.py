@@ -24,9 +24,7 @@ _PER_OP_EDGE_PASSES = ("ScalarToTensorPass", "RemoveMixedTypeOperators", "OpRepl
 
 def _op_name(node) -> str:
     """'aten.cat.default' for an edge or aten op node, '' for anything else."""
-    if node.op != "call_function":
-        return ""
-    return getattr(node.target, "__name__", "")
+    return getattr(node.target, "__name__", "") if node.op == "call_function" else ""
 
 
 def _pass_triggers() -> dict:

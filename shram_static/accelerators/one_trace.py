@@ -11,10 +11,9 @@ from .registry import enabled
 
 
 def _lighter(ep):
-    """`ep` without `from_node` provenance and without unused `_assert_tensor_metadata` nodes, in
-    place. WHY: every pass deep-copies a node's whole provenance chain onto the nodes it makes,
-    and re-traces the asserts (one per `.to(dtype)`) until ExecuTorch removes them; neither is
-    part of the program."""
+    """`ep` without `from_node` provenance and unused `_assert_tensor_metadata` nodes, in place.
+    WHY: every pass deep-copies provenance chains onto the nodes it makes, and re-traces the
+    asserts (one per `.to(dtype)`) until ExecuTorch removes them; neither is the program."""
     target = torch.ops.aten._assert_tensor_metadata.default
     for node in list(ep.graph.nodes):
         node.meta.pop("from_node", None)

@@ -10,8 +10,7 @@ from .registry import enabled
 def lazy_recompiles():
     """Within the block, `GraphModule.recompile` only marks the module: its Python code is
     generated when first needed (its forward called, its `code` read) or at the end of the
-    block, whichever comes first; a module recompiled ten times and never run in between
-    generates its code once.
+    block, whichever comes first.
 
     WHY: ExecuTorch's and XNNPACK's passes recompile after every change and around every pass,
     but lowering runs graphs through interpreters, never through their generated code. torch's
