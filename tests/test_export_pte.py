@@ -25,7 +25,6 @@ from shram_static import StaticDecoder
 from shram_static.accelerators import enabled
 from shram_static.console import LEAFSPEC_NOTICE
 from shram_static.export import ExportFormatError, export_onnx, export_pte, load_pte
-from shram_static.export import pte
 from shram_static.accelerators.forked import can_fork
 from shram_static.export.pte import lower_program, program_ops
 from shram_static.tokenizer import ByteTokenizer, bytes_to_unicode
@@ -52,7 +51,7 @@ FORBIDDEN_IN_DECODE = {"aten::expand_copy.out"}
 SHARED_CASE = "yarn_extended"
 
 
-# Methods of the shared program that came back from a forked lowering (`run_jobs`).
+# Methods of the shared program that came back from a forked lowering (`lower_in_parallel`).
 TRANSFERRED = []
 
 
@@ -63,12 +62,14 @@ def builtin(tmp_path_factory):
     Lowered as `export_pte` does by default: the decode method in a forked process where the
     machine allows; a failed child (whose method would be lowered again here) is an error, and so
     is torch's LeafSpec notice, which lowering drops (in either process)."""
+    from shram_static.accelerators import edge_transfer
+
     model, _ = golden_case(SHARED_CASE)
-    received = pte.edge_program_from_value
+    received = edge_transfer.edge_program_from_value
     with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
         warnings.filterwarnings("error", message="the parallel process", category=RuntimeWarning)
         warnings.filterwarnings("error", message=LEAFSPEC_NOTICE, category=FutureWarning)
-        mp.setattr(pte, "edge_program_from_value", lambda v: TRANSFERRED.append(1) or received(v))
+        mp.setattr(edge_transfer, "edge_program_from_value", lambda v: TRANSFERRED.append(1) or received(v))
         et = lower_program(model, batch_size=1, prefill_chunk=8, eos_token_id=EOS, bos_token_id=BOS,
                            full_logits=True)  # the golden check reads every token's logits
     path = tmp_path_factory.mktemp("pte") / "builtin.pte"
