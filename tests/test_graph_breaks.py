@@ -15,6 +15,7 @@ from torch._inductor.graph import GraphLowering
 
 from helpers import random_config, randomize_, recorded_builds
 from shram_static import ShramForCausalLM, StaticDecoder
+from shram_static.accelerators import enabled
 
 B, C = 2, 4
 
@@ -113,7 +114,8 @@ def test_compiled_steps_never_recompile_and_match_eager(model, B):
     for call in ("extern_kernels.", "aten.topk", "aten.cumsum", "aten.mm", "aten.bmm"):
         assert call not in codes[-1], f"the compiled decode step calls {call}"
     assert flattened.call_count == 0
-    if get_compile_threads() > 1:  # one file per compile thread at most, none built twice
+    # one file per compile thread at most, none built twice
+    if get_compile_threads() > 1 and enabled("batched_kernel_builds"):
         assert len(batches) == len(codes)
         for kernels in batches:
             assert len({id(k.__self__) for k in kernels}) <= get_compile_threads() < len(kernels)
