@@ -6,11 +6,10 @@ import warnings
 import torch
 import torch._inductor.config  # noqa: F401 -- read below for the FP-contraction option
 
-from .cpu_isa import start_isa_checks
+from . import accelerators
 # RowLinear: also importable from here, where the decoder that uses it lives
 from .fast_layers import FEW_ROWS, RowExperts, RowLinear, row_linear_, shared_copy  # noqa: F401
 from .host import HostDecoder
-from .kernel_builds import run_batched
 from .quantized import Int4Linear, Int8Linear, check_quantize, quantize_linears_
 from .state import StaticState
 from .step import StepModule
@@ -132,9 +131,8 @@ class StaticDecoder(HostDecoder):
         self.compiled = compile
         self.skip_guards = False  # deprecated: Dynamo checks each step's guards on every call
         self._held: set[str] | None = None  # inside `steady`: the steps whose weights were checked there
-        if compile and p.device.type == "cpu":  # Inductor's ISA check, beside the first trace
-            start_isa_checks()
         if compile:
+            accelerators.prepare_compile(p.device.type)  # ISA check beside the first trace; batched builds
             # Separate compiled functions (one code object each), so each step owns exactly
             # one graph and no shape ever triggers a recompile of another.
             self.decode_step = torch.compile(self._decode_step, fullgraph=True, dynamic=False,
@@ -187,7 +185,7 @@ class StaticDecoder(HostDecoder):
             self._repack_changed()
             if self._held is not None:
                 self._held.add(key)
-        return run_batched(fn, *args)  # a call may compile: a first call, or Dynamo's guards failed
+        return fn(*args)
 
     def _repack_changed(self) -> None:
         """Packs again the copies of every RowLinear or RowExperts one of whose weights has

@@ -11,7 +11,6 @@ head-shaped, growing key/value caches (transformers 5.x generation internals):
 - `get_compiled_call`: transformers' compiled forward, its first compile made faster on CPU.
 """
 
-import functools
 import sys
 
 import torch
@@ -20,9 +19,8 @@ from transformers.generation import CompileConfig
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.configuration_utils import GenerationMode
 
+from . import accelerators
 from .cache import DEFAULT_PREFILL_CHUNK, ShramCache
-from .cpu_isa import start_isa_checks
-from .kernel_builds import run_batched
 from .rows import canonical
 from .validation import check_capacity
 
@@ -74,9 +72,9 @@ class ShramGenerationMixin(GenerationMixin):
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
     def get_compiled_call(self, compile_config):
-        """transformers' `torch.compile` of the forward (`PreTrainedModel.get_compiled_call`), each
-        call run by `kernel_builds.run_batched` (kernels built in batches), with Inductor's vector-ISA check started beside the first trace
-        on CPU, as `StaticDecoder(compile=True)` does (a cold first compiled
+        """transformers' `torch.compile` of the forward (`PreTrainedModel.get_compiled_call`), after
+        `accelerators.prepare_compile` (kernels built in batches, Inductor's vector-ISA check started
+        beside the first trace on CPU), as `StaticDecoder(compile=True)` does (a cold first compiled
         `generate()` builds its kernels in far less time: docs/performance.md, "Warm-up and export").
 
         Args:
@@ -88,12 +86,8 @@ class ShramGenerationMixin(GenerationMixin):
         compiled = PreTrainedModel.get_compiled_call(self, compile_config)
         if compiled == self.__call__:  # transformers declined to compile
             return compiled
-        if self.device.type == "cpu":
-            start_isa_checks()
-        held = self.__dict__.get("_batched_call")  # one wrapper per compiled function
-        if held is None or held.args[0] is not compiled:
-            held = self.__dict__["_batched_call"] = functools.partial(run_batched, compiled)
-        return held
+        accelerators.prepare_compile(self.device.type)
+        return compiled
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None,
                                       attention_mask=None, **kwargs):

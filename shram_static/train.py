@@ -18,8 +18,8 @@ import random
 import sys
 import time
 
+from . import accelerators
 from .console import info, positive_int
-from .kernel_builds import batched_builds
 
 TRAIN_STATE_FILE = "train_state.pt"
 LOG_FILE = "train_log.json"
@@ -309,6 +309,7 @@ def train(args) -> int:
         # Fuses the dense N x N masking/softmax of the uncached forward (faster on CPU);
         # not fullgraph: the input checks read tensor values (a graph break, harmless here).
         loss_fn = torch.compile(loss_fn)
+        accelerators.prepare_compile(dist.device.type)  # its C++ built a few files at a time
 
     n_params = sum(p.numel() for p in net.parameters())
     tokens_per_step = hp["batch_size"] * T
@@ -326,10 +327,9 @@ def train(args) -> int:
         for g in opt.param_groups:
             g["lr"] = lr
         x, y = sampler.batch(step, dist.rank, dist.world)
-        with batched_builds():  # with --compile: its C++ built a few files at a time
-            loss = loss_fn(x.to(dist.device), y.to(dist.device))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+        loss = loss_fn(x.to(dist.device), y.to(dist.device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(net.parameters(), hp["grad_clip"])
         opt.step()
         step += 1

@@ -177,8 +177,8 @@ def golden_run(dec, g):
 @contextlib.contextmanager
 def recorded_builds():
     """Within the block, the list it yields gets the kernels of each batch of C++ builds
-    (`kernel_builds._Batch._build`'s result) as the batch is built."""
-    from shram_static import kernel_builds
+    (`accelerators.kernel_builds._Batch._build`'s result) as the batch is built."""
+    from shram_static.accelerators import kernel_builds
 
     batches, build = [], kernel_builds._Batch._build
 
@@ -206,15 +206,15 @@ def lowering_work(ours_module, ours_program):
     """Counts what a `.pte` lowering does inside the block; yields a dict of lists:
     "traces" (one entry per trace of our graph: `torch.export.export` of a module
     `ours_module` accepts, `ExportedProgram.run_decompositions` of a program `ours_program`
-    accepts, `lowering.export_decomposed`) and "passes" (the class name of every outermost fx
+    accepts, `one_trace.export_decomposed`) and "passes" (the class name of every outermost fx
     graph pass run). The patches wrap the stock functions and are undone on exit."""
     from torch.fx.passes.infra.pass_base import PassBase
 
-    from shram_static.export import lowering
+    from shram_static.accelerators import one_trace
 
     work = {"traces": [], "passes": []}
     decompose, export = torch.export.ExportedProgram.run_decompositions, torch.export.export
-    one, run_pass, depth = lowering.export_decomposed, PassBase.__call__, []
+    one, run_pass, depth = one_trace.export_decomposed, PassBase.__call__, []
 
     def outermost(self, gm):
         if not depth:
@@ -232,14 +232,14 @@ def lowering_work(ours_module, ours_program):
               lambda self, *a, **k: (traced() if ours_program(self) else None) or decompose(self, *a, **k))
         patch(torch.export, "export",
               lambda mod, *a, **k: (traced() if ours_module(mod) else None) or export(mod, *a, **k))
-        patch(lowering, "export_decomposed", lambda *a, **k: traced() or one(*a, **k))
+        patch(one_trace, "export_decomposed", lambda *a, **k: traced() or one(*a, **k))
         patch(PassBase, "__call__", outermost)
         yield work
 
 
 # The golden case whose decode-only `.pte` test_accelerators.py lowers with and without the
 # lowering accelerators (and checks against the golden logits), and those accelerators (every
-# one `lowering.lowering_speedups` and `export_and_lower` apply).
+# one `accelerators.lowering()` and `export_and_lower` apply).
 STOCK_LOWERING_CASE = "main_basic"
 LOWERING_ACCELERATORS = ("one_trace_lowering", "needed_xnnpack_passes", "needed_edge_passes",
                          "one_edge_conversion_trace", "linear_partitioning", "lazy_recompiles")

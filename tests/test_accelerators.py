@@ -1,4 +1,4 @@
-"""The accelerators' registry (shram_static/accelerators.py): each runs only where verified and
+"""The accelerators' registry (shram_static/accelerators/registry.py): each runs only where verified and
 can be switched off; with every one off, a golden model lowers to the same `.pte` bytes and the
 same tokens; importing with an unsupported torch says which versions are supported."""
 
@@ -12,19 +12,20 @@ import pytest
 import torch
 
 from helpers import LOWERING_ACCELERATORS, STOCK_LOWERING_CASE, golden_case, golden_run, lowering_work
-from shram_static import accelerators
-from shram_static.accelerators import (REGISTRY, STOCK_ENV, UnsupportedVersionError, check_versions, enabled,
-                                       set_stock, stock)
+from shram_static.accelerators import check_versions, enabled, registry, set_stock, stock
+from shram_static.accelerators.registry import REGISTRY, STOCK_ENV, UnsupportedVersionError
 
 
 @pytest.fixture
 def fresh(monkeypatch):
     """No switch set, no environment override, and the one-line logs not yet written."""
     monkeypatch.delenv(STOCK_ENV, raising=False)
-    monkeypatch.setattr(accelerators, "_stock", None)
-    accelerators._log_once.cache_clear()
+    monkeypatch.setattr(registry, "_stock", None)
+    registry._log_once.cache_clear()
+    registry.decide.cache_clear()  # decisions made with another installed_version
     yield monkeypatch
-    accelerators._log_once.cache_clear()
+    registry._log_once.cache_clear()
+    registry.decide.cache_clear()
 
 
 def test_every_accelerator_records_where_and_what_it_was_verified_on():
@@ -37,11 +38,11 @@ def test_every_accelerator_records_where_and_what_it_was_verified_on():
 
 
 def test_unverified_release_runs_the_stock_path_with_one_debug_line(fresh, caplog):
-    real = accelerators.installed_version
-    fresh.setattr(accelerators, "installed_version", lambda d: "2.99.0" if d == "torch" else real(d))
-    caplog.set_level(logging.DEBUG, logger="shram_static.accelerators")
+    real = registry.installed_version
+    fresh.setattr(registry, "installed_version", lambda d: "2.99.0" if d == "torch" else real(d))
+    caplog.set_level(logging.DEBUG, logger="shram_static.accelerators.registry")
     assert not enabled("batched_kernel_builds") and not enabled("batched_kernel_builds")
-    assert enabled("needed_xnnpack_passes") == (real("executorch") in accelerators.EXECUTORCH)  # no torch in it
+    assert enabled("needed_xnnpack_passes") == (real("executorch") in registry.EXECUTORCH)  # no torch in it
     lines = [r for r in caplog.records if "batched_kernel_builds" in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.DEBUG
     assert "torch 2.99.0" in lines[0].getMessage() and "stock path" in lines[0].getMessage()
@@ -84,6 +85,32 @@ def test_supported_versions_are_checked():
             check_versions(versions)
 
 
+def test_stock_patches_nothing():
+    """With every accelerator off, the seam's compile hook and stage blocks replace nothing."""
+    from executorch.backends.xnnpack import _passes
+    from executorch.exir import lowered_backend_module as lbm
+    from executorch.exir.backend.canonical_partitioners.group_partitioner import GroupBasedPartitioner
+    from executorch.exir.program import _program
+    from onnxscript import rewriter
+    from torch._dynamo.callback import callback_handler
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.async_compile import AsyncCompile
+
+    from shram_static import accelerators
+
+    def watched():
+        return (list(callback_handler.start_callbacks), AsyncCompile.cpp_pybinding, cpu_vec_isa.valid_vec_isa_list,
+                _program._generate_edge_program, _program._get_aten_to_edge_passes, _program.edge_to_executorch_passes,
+                _passes.XNNPACKPassManager.__init__, GroupBasedPartitioner._can_merge_partitions, lbm.legalize_graph,
+                torch.fx.GraphModule.recompile, rewriter._DEFAULT_REWRITE_RULES)
+    before = watched()
+    with stock():
+        accelerators.prepare_compile("cpu")
+        with accelerators.lowering(), accelerators.onnx_export():
+            assert watched() == before
+    assert watched() == before
+
+
 @pytest.mark.heavy
 def test_importing_with_an_old_torch_names_the_supported_versions():
     code = ("import importlib.metadata as m\n"
@@ -93,7 +120,7 @@ def test_importing_with_an_old_torch_names_the_supported_versions():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("shram_static.accelerators.UnsupportedVersionError")
+    assert last.startswith("shram_static.accelerators.registry.UnsupportedVersionError")
     assert "torch 2.11.0 is installed" in last and "torch 2.13-2.14" in last
 
 
@@ -110,7 +137,7 @@ def test_stock_lowering_writes_the_same_program_and_tokens(tmp_path, caplog):
     from executorch.exir.program import _program
 
     from shram_static.export import load_pte
-    from shram_static.export.edge_conversion import _PER_OP_EDGE_PASSES
+    from shram_static.accelerators.edge_passes import _PER_OP_EDGE_PASSES
     from shram_static.export.pte import lower_program
     from shram_static.step import StepModule
 

@@ -1,5 +1,5 @@
 """Inductor's vector ISA is checked best-first in a background thread, and Inductor's decision
-waits for it and picks what it would pick from its full list (shram_static/cpu_isa.py)."""
+waits for it and picks what it would pick from its full list (shram_static/accelerators/cpu_isa.py)."""
 
 import functools
 import platform
@@ -10,11 +10,10 @@ import pytest
 import torch
 from torch._inductor import cpu_vec_isa
 
-import shram_static.decoder as decoder_mod
 from helpers import random_config, randomize_
-from shram_static import ShramForCausalLM, StaticDecoder, cpu_isa
-from shram_static.accelerators import enabled
-from shram_static.cpu_isa import start_isa_checks
+from shram_static import ShramForCausalLM, StaticDecoder
+from shram_static.accelerators import cpu_isa, enabled
+from shram_static.accelerators.cpu_isa import start_isa_checks
 
 # Inductor's own list, uncached (taken at collection, before any test installs the checks).
 INDUCTORS = cpu_vec_isa.valid_vec_isa_list.__wrapped__
@@ -138,7 +137,7 @@ def test_a_failing_check_is_left_to_inductor(fakes):
 
 def test_compiled_decoder_on_cpu_starts_the_check(monkeypatch):
     started = []
-    monkeypatch.setattr(decoder_mod, "start_isa_checks", lambda: started.append(1))
+    monkeypatch.setattr(cpu_isa, "start_isa_checks", lambda: started.append(1))
     cfg = random_config(3, num_decoder_layers=1)
     model = randomize_(ShramForCausalLM(cfg), 3)
     StaticDecoder(model, batch_size=1, prefill_chunk=4)

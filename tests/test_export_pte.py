@@ -25,8 +25,7 @@ from shram_static import StaticDecoder
 from shram_static.accelerators import enabled
 from shram_static.console import LEAFSPEC_NOTICE
 from shram_static.export import ExportFormatError, export_onnx, export_pte, load_pte
-from shram_static.export import pte
-from shram_static.export.forked import can_fork
+from shram_static.accelerators.forked import can_fork
 from shram_static.export.pte import lower_program, program_ops
 from shram_static.tokenizer import ByteTokenizer, bytes_to_unicode
 
@@ -52,7 +51,7 @@ FORBIDDEN_IN_DECODE = {"aten::expand_copy.out"}
 SHARED_CASE = "yarn_extended"
 
 
-# Methods of the shared program that came back from a forked lowering (`run_jobs`).
+# Methods of the shared program that came back from a forked lowering (`lower_in_parallel`).
 TRANSFERRED = []
 
 
@@ -63,12 +62,14 @@ def builtin(tmp_path_factory):
     Lowered as `export_pte` does by default: the decode method in a forked process where the
     machine allows; a failed child (whose method would be lowered again here) is an error, and so
     is torch's LeafSpec notice, which lowering drops (in either process)."""
+    from shram_static.accelerators import edge_transfer
+
     model, _ = golden_case(SHARED_CASE)
-    received = pte.edge_program_from_value
+    received = edge_transfer.edge_program_from_value
     with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
         warnings.filterwarnings("error", message="the parallel process", category=RuntimeWarning)
         warnings.filterwarnings("error", message=LEAFSPEC_NOTICE, category=FutureWarning)
-        mp.setattr(pte, "edge_program_from_value", lambda v: TRANSFERRED.append(1) or received(v))
+        mp.setattr(edge_transfer, "edge_program_from_value", lambda v: TRANSFERRED.append(1) or received(v))
         et = lower_program(model, batch_size=1, prefill_chunk=8, eos_token_id=EOS, bos_token_id=BOS,
                            full_logits=True)  # the golden check reads every token's logits
     path = tmp_path_factory.mktemp("pte") / "builtin.pte"
@@ -288,8 +289,8 @@ def test_shared_packed_weights_give_the_stock_logits(builtin, tmp_path):
     import subprocess
     import sys
 
-    from shram_static.accelerators import STOCK_ENV, unverified
-    from shram_static.export.backend_options import weight_cache_enabled
+    from shram_static.accelerators.registry import STOCK_ENV, unverified
+    from shram_static.accelerators.backend_options import weight_cache_enabled
 
     def steps(d):
         return [d.prefill(torch.arange(1, 12)[None]), d.decode(torch.tensor([5])), d.decode(torch.tensor([7]))]
@@ -301,7 +302,7 @@ def test_shared_packed_weights_give_the_stock_logits(builtin, tmp_path):
     if os.environ.get(STOCK_ENV, "").strip() in ("", "0"):
         assert weight_cache_enabled()
     code = ("import sys, torch; from shram_static.export import load_pte; "
-            "from shram_static.export.backend_options import weight_cache_enabled; "
+            "from shram_static.accelerators.backend_options import weight_cache_enabled; "
             "d = load_pte(sys.argv[1]); ids = torch.arange(1, 12)[None]; "
             "lg = [d.prefill(ids), d.decode(torch.tensor([5])), d.decode(torch.tensor([7]))]; "
             "torch.save(lg, sys.argv[2]); print(weight_cache_enabled())")

@@ -1,4 +1,4 @@
-"""`shram_static.export.forked.run_jobs`: export jobs in forked processes, and what happens
+"""`shram_static.accelerators.forked.run_jobs`: export jobs in forked processes, and what happens
 when a child fails (its job runs again here, with a warning) or this process fails (the child
 is stopped)."""
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from shram_static.export.forked import can_fork, run_jobs
+from shram_static.accelerators.forked import can_fork, run_jobs
 
 needs_fork = pytest.mark.skipif(not can_fork(), reason="forked jobs need Linux and two usable CPUs")
 
@@ -41,7 +41,7 @@ def test_one_process_when_not_parallel_or_a_single_job():
 
 def test_one_process_when_the_encoders_accelerator_is_off(monkeypatch):
     """An encoder marked with an accelerator (the edge-program transfer, on ExecuTorch
-    internals) is used only where that accelerator is on (shram_static/accelerators.py)."""
+    internals) is used only where that accelerator is on (shram_static/accelerators/registry.py)."""
     def tag(value):
         return ("sent", value)
     tag.accelerator = "parallel_lowering"

@@ -1,6 +1,6 @@
 """The C++ kernels of one Inductor wrapper module are built as a few files inside
 `batched_builds()`, run as built one by one, and fall back to Inductor's own builds
-(shram_static/kernel_builds.py)."""
+(shram_static/accelerators/kernel_builds.py)."""
 
 import contextlib
 
@@ -10,9 +10,8 @@ from torch._inductor import config
 from torch._inductor.async_compile import AsyncCompile
 from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-from shram_static import kernel_builds
-from shram_static.accelerators import enabled
-from shram_static.kernel_builds import batched_builds, combined_source, split_by_size
+from shram_static.accelerators import enabled, kernel_builds
+from shram_static.accelerators.kernel_builds import batched_builds, combined_source, split_by_size
 
 # Kernels as Inductor's Python wrapper asks for them: C++ defining the entry `kernel`, with the
 # argument types of its bindings. Each also defines a file-scope helper, as some of Inductor's
@@ -150,11 +149,11 @@ def test_nested_contexts_and_exceptions_restore_the_state(accelerated):
     with batched_builds():
         with batched_builds():
             pass
-        assert kernel_builds._local.depth == 1
+        assert kernel_builds._depth == 1
     with pytest.raises(ValueError):
         with batched_builds():
             raise ValueError
-    assert kernel_builds._local.depth == 0
+    assert kernel_builds._depth == 0
 
 
 def test_split_by_size_balances_and_keeps_order():
@@ -170,3 +169,27 @@ def test_combined_source_renames_each_entry_and_binds_it():
     assert src.count('{"kernel_0", kernel_0_py') == 1 and src.count('{"kernel_1", kernel_1_py') == 1
     assert "PyInit_kernel(void)" in src and src.count("static PyMethodDef py_methods[]") == 1
     assert "requires 4 args" in src and "requires 3 args" in src
+
+
+def test_after_hook_compiles_a_dynamo_compile_builds_in_batches_and_calls_go_straight(threads, files):
+    """`hook_compiles()` (what `accelerators.prepare_compile` installs when a compiled step is
+    built) batches the kernels of every later compile with no context around the call, and
+    leaves the batching off between compiles."""
+    from torch._dynamo.callback import callback_handler
+
+    threads(2)
+    assert kernel_builds.hook_compiles()
+    torch._dynamo.reset()  # clears Dynamo's callbacks: registered again
+    assert kernel_builds.hook_compiles() and kernel_builds.hook_compiles()
+    assert len(callback_handler.start_callbacks) == len(set(callback_handler.start_callbacks)) >= 1
+
+    def fn(x):  # a scan, a reduction and a sort: kernels Inductor does not fuse
+        a = x.sin().cumsum(0) * 3
+        b = (a - a.amax(0)).exp().cumsum(1)
+        return a, b, torch.sort(b + x.cos(), dim=0).values * b.sum()
+    x = torch.randn(6, 5)
+    out = torch.compile(fn, fullgraph=True)(x)
+    for got, want in zip(out, fn(x)):
+        torch.testing.assert_close(got, want)
+    assert files and max(files) >= 2  # kernels of one module shared a file
+    assert kernel_builds._depth == 0  # off again once the compile ended

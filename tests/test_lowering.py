@@ -1,4 +1,4 @@
-"""The lowering speed-ups (`shram_static.export.lowering`): each applies inside its block only,
+"""The lowering speed-ups (`shram_static.accelerators`): each applies inside its block only,
 and the XNNPACK pass filter drops a pass only when the partition holds nothing it rewrites.
 
 That the lowered programs stay right is checked by running them (tests/test_export_pte.py:
@@ -36,7 +36,7 @@ def _default_passes():
 def test_pass_filter_keeps_what_can_apply():
     from executorch.exir.dialects._ops import ops as exir_ops
 
-    from shram_static.export.lowering import needed_xnnpack_passes
+    from shram_static.accelerators.edge_passes import needed_xnnpack_passes
 
     default = _default_passes()
     names = [p.__name__ for p in default]
@@ -73,7 +73,7 @@ def test_pass_filter_is_scoped():
     from executorch.backends.xnnpack._passes import XNNPACKPassManager
     from executorch.exir.dialects._ops import ops as exir_ops
 
-    from shram_static.export.lowering import needed_xnnpack_passes_only
+    from shram_static.accelerators.edge_passes import needed_xnnpack_passes_only
 
     default = _default_passes()
     ep = types.SimpleNamespace(graph_module=_graph((exir_ops.edge.aten.relu.default, ())))
@@ -90,7 +90,7 @@ def test_lazy_recompiles_generate_the_code_of_the_current_graph():
     GraphModule is restored."""
     from torch.fx import GraphModule
 
-    from shram_static.export.recompiles import lazy_recompiles
+    from shram_static.accelerators.recompiles import lazy_recompiles
 
     def edit(gm, fn):  # the one operation becomes `fn`
         for n in gm.graph.nodes:
@@ -222,7 +222,7 @@ def test_view_ops_to_copies_in_place_is_torchs_pass():
     layout asked for), it changes nothing and says so, and torch's pass runs."""
     from torch._export.passes import ReplaceViewOpsWithViewCopyOpsPass
 
-    from shram_static.export.edge_conversion import _view_ops_to_copies_in_place
+    from shram_static.accelerators.edge_passes import _view_ops_to_copies_in_place
 
     mine, stock = _view_graphs()
     views = [t for t in _targets(mine) if isinstance(t, torch._ops.OpOverload) and t.is_view]
@@ -250,7 +250,7 @@ def test_lowering_falls_back_when_a_kept_op_is_rejected(monkeypatch):
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig
 
-    from shram_static.export.lowering import export_and_lower
+    from shram_static.accelerators import export_and_lower
     from shram_static.export.partition import xnnpack_partitioner
 
     keep = XnnpackPartitioner.ops_to_not_decompose
@@ -282,7 +282,7 @@ def test_edge_pass_gates():
     from executorch.exir import EdgeCompileConfig
     from executorch.exir.program import _program
 
-    from shram_static.export.lowering import _pass_triggers, needed_edge_passes_only
+    from shram_static.accelerators.edge_passes import _pass_triggers, edge_program_passes
 
     t = _pass_triggers()
     g = torch.fx.Graph()
@@ -308,7 +308,7 @@ def test_edge_pass_gates():
     assert t["LegalizePortableDimOrderPass"](mean)
 
     get, to_et = _program._get_aten_to_edge_passes, _program.edge_to_executorch_passes
-    with needed_edge_passes_only():
+    with edge_program_passes():
         pre, _ = _program._get_aten_to_edge_passes(EdgeCompileConfig())
         assert sum(type(p).__name__ == "_GatedPass" for p in pre) == 3
     assert (_program._get_aten_to_edge_passes, _program.edge_to_executorch_passes) == (get, to_et)
@@ -321,7 +321,7 @@ def test_legalize_order_is_torchs():
     from torch.fx.passes.tools_common import legalize_graph
 
     from executorch.exir import lowered_backend_module as lbm
-    from shram_static.export.lowering import _legalize_order, faster_partitioning
+    from shram_static.accelerators.partitioning import _legalize_order, faster_partitioning
 
     class M(torch.nn.Module):
         def forward(self, x, y):
@@ -379,8 +379,8 @@ def test_a_method_lowered_elsewhere_emits_the_same_program():
     from executorch.exir import EdgeCompileConfig, EdgeProgramManager, ExecutorchBackendConfig
     from executorch.runtime import Runtime
 
-    from shram_static.export import lowering
-    from shram_static.export.edge_transfer import edge_program_from_value, edge_program_to_value
+    from shram_static import accelerators
+    from shram_static.accelerators.edge_transfer import edge_program_from_value, edge_program_to_value
     from shram_static.export.partition import xnnpack_partitioner
 
     mods = {"forward": _WithTable().eval(), "prefill": _WithTable().eval()}
@@ -390,8 +390,8 @@ def test_a_method_lowered_elsewhere_emits_the_same_program():
     pos = torch.ones(1, dtype=torch.long)
     config = EdgeCompileConfig(_check_ir_validity=False)
     methods = {n: (mods[n], (torch.randn(b, 8), pos)) for n, b in (("forward", 1), ("prefill", 3))}
-    with lowering.lowering_speedups():  # as lower_program
-        edges = {n: lowering.export_and_lower({n: m}, xnnpack_partitioner(), {}, config).exported_program(n)
+    with accelerators.lowering():  # as lower_program
+        edges = {n: accelerators.export_and_lower({n: m}, xnnpack_partitioner(), {}, config).exported_program(n)
                  for n, m in methods.items()}
     sent = edge_program_from_value(pickle.loads(pickle.dumps(edge_program_to_value(edges["prefill"]))))
 
@@ -408,3 +408,39 @@ def test_a_method_lowered_elsewhere_emits_the_same_program():
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
     outs = [Runtime.get().load_program(b).load_method("prefill").execute([x, pos])[0] for b in (here, there)]
     assert torch.equal(outs[0], outs[1])
+
+
+@needs('needed_xnnpack_passes', 'needed_edge_passes', 'one_edge_conversion_trace', 'linear_partitioning',
+       'lazy_recompiles')
+def test_lowering_patches_do_not_depend_on_the_order_they_are_entered():
+    """Each lowering patch owns the attributes it replaces: entered in either order they replace
+    the same attributes, give ExecuTorch the same pass lists, and restore everything on exit."""
+    import contextlib
+
+    from executorch.backends.xnnpack import _passes
+    from executorch.exir import EdgeCompileConfig
+    from executorch.exir import lowered_backend_module as lbm
+    from executorch.exir.backend.canonical_partitioners.group_partitioner import GroupBasedPartitioner
+    from executorch.exir.program import _program
+    from torch.fx import GraphModule
+
+    from shram_static.accelerators.edge_passes import edge_program_passes, needed_xnnpack_passes_only
+    from shram_static.accelerators.partitioning import faster_partitioning
+    from shram_static.accelerators.recompiles import lazy_recompiles
+
+    watched = [(_program, n) for n in ("_get_aten_to_edge_passes", "edge_to_executorch_passes",
+                                       "_generate_edge_program", "OpReplacePass", "MemoryFormatOpsPass")]
+    watched += [(_passes.XNNPACKPassManager, "__init__"), (GroupBasedPartitioner, "_can_merge_partitions"),
+                (lbm, "legalize_graph"), (GraphModule, "recompile")]
+    stock = [getattr(o, n) for o, n in watched]
+    seen = []
+    patches = [lazy_recompiles, edge_program_passes, needed_xnnpack_passes_only, faster_partitioning]
+    for order in (patches, patches[::-1]):
+        with contextlib.ExitStack() as stack:
+            for p in order:
+                stack.enter_context(p())
+            replaced = [n for (o, n), s in zip(watched, stock) if getattr(o, n) is not s]
+            pre, post = _program._get_aten_to_edge_passes(EdgeCompileConfig())
+            seen.append((replaced, [type(p).__name__ for p in pre + post]))
+        assert [getattr(o, n) for o, n in watched] == stock
+    assert seen[0] == seen[1] and len(seen[0][0]) == 7  # not the two pass classes swapped per call

@@ -48,7 +48,7 @@ def test_onnx_rule_skip_keeps_the_optimized_graph(onnx_step):
     import onnxscript.optimizer
     from onnxscript import rewriter
 
-    from shram_static.export.lowering import SKIPPED_ONNX_RULES, without_onnx_rewrite_rules
+    from shram_static.accelerators.onnx_rules import SKIPPED_ONNX_RULES, without_onnx_rewrite_rules
 
     rules = rewriter._DEFAULT_REWRITE_RULES
     assert {r.name for r in rules} >= set(SKIPPED_ONNX_RULES)  # the names still exist

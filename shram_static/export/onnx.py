@@ -30,13 +30,12 @@ import uuid
 import numpy as np
 import torch
 
+from .. import accelerators
 from ..config import ShramConfig
 from ..console import without_leafspec_notice
 from ..state import StaticState
 from ..step import FunctionalStep
 from .common import ONNX_FORMAT, check_export_args, export_copy, graph_paths
-from .forked import run_jobs
-from .lowering import without_onnx_rewrite_rules
 from .onnx_quantize import ACCURACY_LEVEL, BLOCK, check_onnx_quantize, quantize_graph
 
 _ALIGN = 64  # byte alignment of each tensor in the shared data file
@@ -51,7 +50,7 @@ def _export_graph(fn: FunctionalStep, state: StaticState, C: int):
     names = state.names()
     args = (torch.zeros(B, C, dtype=torch.long), torch.zeros(B, dtype=torch.long),
             torch.ones(B, C, dtype=torch.bool), *[t.clone() for t in state.tensors()])
-    with torch.no_grad(), without_onnx_rewrite_rules(), without_leafspec_notice():
+    with torch.no_grad(), accelerators.onnx_export(), without_leafspec_notice():
         prog = torch.onnx.export(
             fn, args, dynamo=True, optimize=True, verbose=False, opset_version=OPSET,
             input_names=["input_ids", "position_ids", "live", *[f"past.{n}" for n in names]],
@@ -146,7 +145,7 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
         chunks["verify"] = verify_len
     step_of = {role: fn_last if role == "prefill" and not full_logits else fn for role in chunks}
     jobs = {role: functools.partial(_export_graph, step_of[role], state, chunks[role]) for role in reversed(chunks)}
-    protos = run_jobs(jobs, lambda m: m.SerializeToString(), onnx.ModelProto.FromString, parallel)
+    protos = accelerators.run_jobs(jobs, lambda m: m.SerializeToString(), onnx.ModelProto.FromString, parallel)
     models = {}
     for role, c in chunks.items():
         m = protos[role]

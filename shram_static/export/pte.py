@@ -27,16 +27,14 @@ import os
 import torch
 from torch import nn
 
+from .. import accelerators
 from ..config import ShramConfig
 from ..console import without_leafspec_notice
 from ..errors import ExportFormatError  # noqa: F401 (importable from here too)
 from ..state import StaticState
 from ..step import StepModule
 from .common import PTE_FORMAT, check_export_args, export_copy
-from .edge_transfer import edge_program_from_value, edge_program_to_value
-from .forked import run_jobs
 from .partition import xnnpack_partitioner
-from .lowering import export_and_lower, lowering_speedups
 from .quantize import QUANTIZE_MODES, quantize_weights_
 from .views import state_view_planning, written_cache_views_pass
 
@@ -203,12 +201,14 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     # program runs is checked by running it (tests/test_export_pte.py: allowlisted kernels only).
     config = EdgeCompileConfig(_check_ir_validity=False)
 
-    def lower(name):
-        """One method: exported (strict=False: the step has no data-dependent Python, no .item(),
-        no branch on tensor data, so tracing it with Python gives the graph Dynamo's strict mode
-        gives, in half the time), decomposed, in edge dialect with the XNNPACK delegates."""
+    def export_and_lower(name):
+        """Stages 1 and 2 of one method: `torch.export.export` (strict=False: the step has no
+        data-dependent Python, no .item(), no branch on tensor data, so tracing it with Python
+        gives the graph Dynamo's strict mode gives, in half the time), then
+        `to_edge_transform_and_lower` with the XNNPACK delegates."""
         with without_leafspec_notice():
-            return export_and_lower({name: methods[name]}, xnnpack_partitioner(), {}, config).exported_program(name)
+            return accelerators.export_and_lower({name: methods[name]}, xnnpack_partitioner(), {},
+                                                 config).exported_program(name)
 
     meta = {
         "format": PTE_FORMAT, "batch_size": B, "prefill_chunk": C, "quantize": quantize,
@@ -235,13 +235,16 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         "get_shram_config": cfg.to_json_string(use_diff=False),  # a string constant method
         "get_shram_export": json.dumps(meta),
     }
-    # Each method is lowered on its own (the same program as lowering them together); with
-    # `parallel` the decode method in a forked process (shram_static/export/forked.py). WHY that
-    # one: prefill's graph is the larger (it takes longer to lower), and reading a
-    # forked method back here (seconds) comes after this process's own lowering.
-    jobs = {name: functools.partial(lower, name) for name in reversed(methods)}
-    with lowering_speedups():
-        edges = run_jobs(jobs, edge_program_to_value, edge_program_from_value, parallel)
+    # The stages, as ExecuTorch's llama export runs them: (1) torch.export and (2) to_edge with
+    # the XNNPACK lowering, per method (the same program as lowering them together); (3)
+    # to_executorch of all methods; (4) `export_pte` saves the bytes. The accelerators speed up
+    # stages 1-3 from outside (`accelerators.lowering()`: the same program). With `parallel` the
+    # decode method is lowered in a forked process. WHY that one: prefill's graph is the larger
+    # (it takes longer to lower), and reading a forked method back here comes after this
+    # process's own lowering.
+    jobs = {name: functools.partial(export_and_lower, name) for name in reversed(methods)}
+    with accelerators.lowering():
+        edges = accelerators.lower_in_parallel(jobs, parallel)
         edge = EdgeProgramManager({name: edges[name] for name in methods}, constant_methods=constants,
                                   compile_config=config)
         return edge.to_executorch(ExecutorchBackendConfig(

@@ -53,8 +53,8 @@ class PteDecoder(HostDecoder):
             raise ExportFormatError(f"{path} is not an ExecuTorch program (no {PTE_MAGIC!r} header)")
         from executorch.runtime import Runtime
 
-        from .backend_options import share_packed_weights
-        share_packed_weights()  # one packed copy of each weight for all methods (where verified)
+        from .. import accelerators
+        accelerators.share_packed_weights()  # one packed copy of each weight for all methods (where verified)
         try:
             program = Runtime.get().load_program(path)
         except Exception as e:  # the runtime raises a bare RuntimeError on a bad flatbuffer

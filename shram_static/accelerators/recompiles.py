@@ -1,31 +1,23 @@
-"""torch.fx's code generation deferred during a lowering: ExecuTorch recompiles a graph module
-after every pass and never runs its generated code (`lazy_recompiles`, a lowering speed-up, see
-`lowering.lowering_speedups`).
-"""
+"""torch.fx's code generation deferred during a lowering (`lazy_recompiles`)."""
 
 import contextlib
 import weakref
 
-from ..accelerators import enabled
+from .registry import enabled
 
 
 @contextlib.contextmanager
 def lazy_recompiles():
     """Within the block, `GraphModule.recompile` only marks the module: its Python code is
     generated when first needed (its forward called, its `code` read) or at the end of the
-    block, whichever comes first; a module recompiled ten times and never run in between
-    generates its code once.
+    block, whichever comes first.
 
-    WHY: ExecuTorch's and XNNPACK's passes recompile after every change, and ExecuTorch's pass
-    manager again around every pass (to lint it), but lowering runs graphs through
-    interpreters, never through their generated code (`Graph.python_code` was a large share of
-    a profiled lowering: docs/performance.md, "Accelerators"). torch's own
-    `_LazyGraphModule` (what Inductor uses) does this, but only for modules made through
-    `torch.fx._lazy_graph_module._make_graph_module`; ExecuTorch makes plain GraphModules.
-    As there, the lazy `forward` recompiles on its first call, so a module that is run gets
-    the code of its current graph; at the end of the block every module still pending is
-    recompiled, so nothing outside it sees a stale one. Inside the block `recompile()` returns
-    a stand-in that generates the `PythonCode` when a caller reads it.
+    WHY: ExecuTorch's and XNNPACK's passes recompile after every change and around every pass,
+    but lowering runs graphs through interpreters, never through their generated code. torch's
+    own `_LazyGraphModule` does this only for modules made through `_make_graph_module`, and
+    ExecuTorch makes plain GraphModules. As there, a lazy `forward` recompiles on its first call;
+    at the end of the block every module still pending is recompiled. Inside the block
+    `recompile()` returns a stand-in that generates the `PythonCode` when a caller reads it.
     """
     if not enabled("lazy_recompiles"):  # off: the stock path
         yield

@@ -1,29 +1,20 @@
 """ExecuTorch runtime backend options that its Python bindings give no way to set.
 
 `share_packed_weights()` turns on the XNNPACK backend's weight cache before a program is
-loaded: the methods of a `.pte` (decode, prefill, verify), and programs loaded later in the
-process, then share one packed copy of each weight instead of one per delegate. WHY: XNNPACK
-packs every constant weight for its GEMM kernels when a delegate is initialised, so a
-three-method program held three packed copies of the model (bench model: 1690 against 1203
-MiB resident once loaded; docs/performance.md, "`.pte`").
-
-The runtime takes it through its public C++ API, `executorch::runtime::set_option("XnnpackBackend",
-{"weight_cache_enabled": true})`, which ExecuTorch's Python bindings do not expose; it is
-called here through ctypes on the runtime library that the bindings load. That makes it an
-accelerator (`xnnpack_weight_cache`, shram_static/accelerators.py): it runs only on the
-ExecuTorch release it was verified on (1.5.1, whose wheel ships the runtime as
-`lib/libexecutorch.so`; 1.4.1 links the runtime into its bindings and exports no `set_option`),
-reads the value back with `get_option`, and leaves the stock behaviour on any failure (one
-debug line). The option is process-wide, read when a method is loaded; the cache's keys are
-content hashes of the weights (ExecuTorch's NamedDataStore), so programs of different models
-never share a weight they do not both hold.
+loaded: the methods of a `.pte`, and programs loaded later, then share one packed copy of each
+weight instead of one per delegate. WHY: XNNPACK packs every constant weight when a delegate is
+initialised, so a three-method program held three packed copies (docs/performance.md, "`.pte`").
+The runtime's public C++ `set_option` is not exposed to Python; it is called through ctypes on
+the library the bindings load (ExecuTorch 1.5.1 ships it as `lib/libexecutorch.so`), read back
+with `get_option`, and any failure leaves the stock behaviour. The cache is keyed by content
+hashes of the weights, so programs of different models never share a weight.
 """
 
 import ctypes
 import logging
 import os
 
-from ..accelerators import enabled
+from .registry import enabled
 
 log = logging.getLogger(__name__)
 

@@ -1,20 +1,11 @@
 """Inductor's choice of vector ISA, checked best-first in a background thread.
 
-Before it generates its first C++ kernel in a process, Inductor decides which vector ISA to
-compile for (`cpu_vec_isa.pick_vec_isa`). Its `valid_vec_isa_list` builds and loads a probe
-program for every ISA the CPU reports, one after the other, and `pick_vec_isa` then takes the
-first valid one. On an AVX-512/AMX CPU that is about ten g++ runs and child Pythons with a cold
-compile cache (a new user's first compile), most of them deciding ISAs that are never used
-(docs/performance.md, "Accelerators").
-
-`start_isa_checks` checks the candidates in Inductor's order in a background thread and stops
-at the first valid one, through exactly the calls Inductor makes (`bool(isa)`, cached per ISA
-object). Meanwhile Dynamo and AOTAutograd trace on the other core; when Inductor first asks
-for the list, it waits for the thread and gets the chosen ISA: the ISA `pick_vec_isa` would
-pick from the full list.
-
-Registered as the accelerator `isa_check_ahead` (shram_static/accelerators.py): with another
-torch than it was verified on, or with `SHRAM_STATIC_STOCK=1`, nothing is started.
+Inductor's `valid_vec_isa_list` builds and loads a probe program for every ISA the CPU reports,
+one after the other, before its first C++ kernel; `pick_vec_isa` then takes the first valid
+one. With a cold compile cache that is many g++ runs, most for ISAs never used.
+`start_isa_checks` checks the candidates in Inductor's order in a background thread, through
+the calls Inductor makes (`bool(isa)`), and stops at the first valid one while Dynamo traces;
+Inductor then waits for it and gets the ISA it would pick from its full list.
 """
 
 import os
@@ -22,7 +13,7 @@ import platform
 import sys
 import threading
 
-from .accelerators import enabled
+from .registry import enabled
 
 
 def _candidates() -> list | None:
@@ -67,10 +58,9 @@ class _Checks:
             pass
 
     def valid_vec_isa_list(self) -> list:
-        """What Inductor's `valid_vec_isa_list` is while the checks are installed: the chosen ISA
-        alone where `pick_vec_isa` would take the first entry of the full list; else Inductor's
-        own (cached) full list: a check raised, or a setting asks for another entry. Not cached
-        itself, so a setting changed between two compiles is seen by the second."""
+        """Inductor's `valid_vec_isa_list` while installed: the chosen ISA alone where
+        `pick_vec_isa` takes the first entry; else (a check raised, a setting asks for another
+        entry) Inductor's own. Not cached, so a setting changed between compiles is seen."""
         self.thread.join()
         if self.chosen is None or not _first_is_picked():
             return self.inductors()
@@ -84,16 +74,12 @@ _started: _Checks | None = None  # this process's checks, once started
 def start_isa_checks() -> threading.Thread | None:
     """Starts the check of Inductor's vector ISA in a background thread, once per process.
 
-    WHY private Inductor names: Inductor offers no public way to check ahead of a compile, or
-    to check only until its choice is known. This replaces `cpu_vec_isa.valid_vec_isa_list`,
-    whose only caller is `pick_vec_isa`, with a function that waits for the thread and
-    returns the first valid ISA alone (what `pick_vec_isa` takes from the full list when neither
-    `cpp.simdlen` nor `ATEN_CPU_CAPABILITY` is set; otherwise Inductor's own function runs).
-    Nothing compiles before the wait, and nothing else probes ISA objects while the thread
-    does (an ISA object probed by two threads at once could see the other's temporary compiler
-    flags: `VecAVX512.__bool__` rewrites its `_arch_flags` while it checks bf16). Where the
-    accelerator `isa_check_ahead` is off, with a setting that needs the full list, or with a
-    decision already made, it does nothing.
+    WHY private Inductor names: Inductor has no public way to check ahead of a compile, or only
+    until its choice is known. This replaces `cpu_vec_isa.valid_vec_isa_list` (only caller:
+    `pick_vec_isa`) with one that waits for the thread and returns the first valid ISA alone
+    (Inductor's own runs where `cpp.simdlen` or `ATEN_CPU_CAPABILITY` asks for another). Nothing
+    else probes ISA objects meanwhile (`VecAVX512.__bool__` rewrites its flags while it checks).
+    Where the accelerator is off, or the decision is made, it does nothing.
 
     Returns:
         The daemon thread running (or done with) the check: the same thread for every call in

@@ -1,10 +1,8 @@
 """Independent export jobs (one per method or graph) in forked processes, one per CPU.
 
-Lowering is single-threaded Python (tracing, passes, XNNPACK's preprocessing), and a
-program's methods are lowered independently of each other until they are emitted together,
-so on a machine with two cores the second method can be lowered at the same time as the
-first. A forked child starts with the parent's memory (the model, the traced modules, the
-patched passes of the enclosing `with` blocks) and sends back its result as bytes.
+Lowering is single-threaded Python, and a program's methods are lowered independently until
+they are emitted together. A forked child starts with the parent's memory (the model, the
+patches of the enclosing `with` blocks) and sends back its result as bytes.
 """
 
 import os
@@ -17,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from ..accelerators import enabled
+from .registry import enabled
 
 
 def usable_cpus() -> int:
@@ -30,10 +28,7 @@ def usable_cpus() -> int:
 
 def can_fork() -> bool:
     """True where jobs can run in forked children: Linux, with at least two usable CPUs.
-
-    WHY Linux only: macOS forks, but its system frameworks are not fork-safe (Python's
-    multiprocessing defaults to spawn there), and Windows has no fork.
-    """
+    WHY Linux only: macOS's system frameworks are not fork-safe, and Windows has no fork."""
     return sys.platform.startswith("linux") and usable_cpus() >= 2
 
 
@@ -54,11 +49,9 @@ def run_jobs(jobs: dict, encode: Callable, decode: Callable, parallel: bool = Tr
     """Runs `jobs` (name -> zero-argument callable) and returns name -> result, in order.
 
     With `parallel` and `can_fork()`, the first job runs here and the next ones, one per other
-    usable CPU, in forked children (any further jobs run here after the first); a child's
-    result travels as `encode(result)` (pickled through a file) and comes back as
-    `decode(...)`. A child that fails (an exception, a crash, the kernel's OOM killer) is
-    reported with a warning and its job is run again here, so an error in the job itself is
-    raised with its normal traceback.
+    usable CPU, in forked children; a child's result travels as `encode(result)` (pickled
+    through a file) and comes back as `decode(...)`. A child that fails (an exception, a crash,
+    the OOM killer) is reported with a warning and its job run again here.
 
     Args:
         jobs: name -> callable; each must not depend on another job's side effects.

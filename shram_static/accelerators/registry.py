@@ -1,16 +1,12 @@
-"""Accelerators: every speed-up that patches or re-implements a private internal of torch
-(Inductor, Dynamo, torch.fx, torch.export, the ONNX exporter), ExecuTorch or onnxscript,
-registered in one place with the releases it was verified on.
+"""The accelerators' registry: each one with the private internals it touches and the releases
+it was verified on; the switches that turn them off; the supported-version check.
 
-An accelerator runs only where every package it touches is at a release it was verified on
-(the stock path and the accelerated one compared by tests/test_accelerators.py and the tests of
-its own module); anywhere else it stays off, the stock path runs, and one debug-level line says
-so. `SHRAM_STATIC_STOCK=1` in the environment, or `set_stock(True)` / `with stock():` in
-Python, turns every one of them off; `SHRAM_STATIC_STOCK=name,name` turns off the named ones
-(for measuring one against the stock path). What each one buys is in docs/performance.md, "Accelerators".
+An accelerator runs only where every package it touches is at a release it was verified on;
+anywhere else it stays off, the stock path runs, and one debug-level line says so.
+`SHRAM_STATIC_STOCK=1` (or `set_stock(True)` / `with stock():`) turns every one off;
+`SHRAM_STATIC_STOCK=name,name` turns off the named ones (for measuring one against the stock path).
 
-A leaf module: it imports nothing of the package, and neither torch nor ExecuTorch (versions
-are read from the installed distributions' metadata).
+A leaf module: it imports neither torch nor ExecuTorch (versions come from package metadata).
 """
 
 import contextlib
@@ -34,14 +30,9 @@ ONNXSCRIPT = ("0.7.2",)
 
 @dataclasses.dataclass(frozen=True)
 class Accelerator:
-    """One registered accelerator.
-
-    Attributes:
-        name: the name `SHRAM_STATIC_STOCK` and `enabled` take.
-        where: the function or module of this package that applies it.
-        internals: the private names it patches or re-implements.
-        verified: distribution name -> the releases it was verified on.
-    """
+    """One accelerator: its name (for `SHRAM_STATIC_STOCK` and `enabled`), where it is applied
+    (module.function of this package), the private internals it touches, and `verified`:
+    distribution -> the releases it was verified on."""
 
     name: str
     where: str
@@ -57,35 +48,36 @@ REGISTRY: dict[str, Accelerator] = {a.name: a for a in [
     # compiled steps (torch.compile)
     _acc("isa_check_ahead", "cpu_isa.start_isa_checks",
          "torch._inductor.cpu_vec_isa.valid_vec_isa_list", torch=TORCH),
-    _acc("batched_kernel_builds", "kernel_builds.batched_builds",
-         "torch._inductor.async_compile.AsyncCompile.cpp_pybinding, CppPythonBindingsCodeCache templates",
+    _acc("batched_kernel_builds", "kernel_builds.hook_compiles",
+         "torch._inductor.async_compile.AsyncCompile.cpp_pybinding, CppPythonBindingsCodeCache templates; "
+         "torch._dynamo.callback.callback_handler",
          torch=TORCH),
     # .pte lowering (each leaves the program as the stock lowering writes it)
-    _acc("one_trace_lowering", "export.lowering.export_and_lower, export.decompose.export_decomposed",
+    _acc("one_trace_lowering", "one_trace.export_and_lower",
          "torch.export._trace._export/_export_to_aten_ir; executorch.exir.program._program "
          "._generate_edge_program/_default_decomposition_table", torch=TORCH, executorch=EXECUTORCH),
-    _acc("needed_xnnpack_passes", "export.lowering.needed_xnnpack_passes_only",
+    _acc("needed_xnnpack_passes", "edge_passes.needed_xnnpack_passes_only",
          "executorch.backends.xnnpack._passes.XNNPACKPassManager.__init__", executorch=EXECUTORCH),
-    _acc("needed_edge_passes", "export.lowering.needed_edge_passes_only",
+    _acc("needed_edge_passes", "edge_passes.edge_program_passes",
          "executorch.exir.program._program._get_aten_to_edge_passes/edge_to_executorch_passes",
          executorch=EXECUTORCH),
-    _acc("one_edge_conversion_trace", "export.edge_conversion.one_edge_conversion_trace",
+    _acc("one_edge_conversion_trace", "edge_passes.edge_program_passes",
          "executorch.exir.program._program._generate_edge_program and its pass classes; "
          "torch._export.passes.ReplaceViewOpsWithViewCopyOpsPass", torch=TORCH, executorch=EXECUTORCH),
-    _acc("linear_partitioning", "export.lowering.faster_partitioning",
+    _acc("linear_partitioning", "partitioning.faster_partitioning",
          "GroupBasedPartitioner._can_merge_partitions; lowered_backend_module.legalize_graph",
          torch=TORCH, executorch=EXECUTORCH),
-    _acc("lazy_recompiles", "export.recompiles.lazy_recompiles",
+    _acc("lazy_recompiles", "recompiles.lazy_recompiles",
          "torch.fx.GraphModule.recompile/code/__str__", torch=TORCH),
-    _acc("parallel_lowering", "export.forked.run_jobs + export.edge_transfer",
+    _acc("parallel_lowering", "forked.run_jobs + edge_transfer",
          "executorch.exir.serde; LoweredBackendModule._named_data_store_output", torch=TORCH,
          executorch=EXECUTORCH),
     # .pte runtime
-    _acc("xnnpack_weight_cache", "export.backend_options.share_packed_weights",
+    _acc("xnnpack_weight_cache", "backend_options.share_packed_weights",
          "executorch::runtime::set_option/get_option (C++ symbols of lib/libexecutorch.so, through ctypes) "
          "and the layout of executorch::runtime::BackendOption", executorch=("1.5.1",)),
     # .onnx export
-    _acc("skip_onnx_slices_split", "export.lowering.without_onnx_rewrite_rules",
+    _acc("skip_onnx_slices_split", "onnx_rules.without_onnx_rewrite_rules",
          "onnxscript.rewriter._DEFAULT_REWRITE_RULES", onnxscript=ONNXSCRIPT),
 ]}
 
@@ -114,9 +106,9 @@ def stock():
         _stock = before
 
 
-def _env_off() -> frozenset | bool:
-    """True (all off), or the names `SHRAM_STATIC_STOCK` turns off."""
-    raw = os.environ.get(STOCK_ENV, "").strip()
+def _env_off(raw: str) -> frozenset | bool:
+    """True (all off), or the names `SHRAM_STATIC_STOCK` (`raw`) turns off."""
+    raw = raw.strip()
     if raw.lower() in ("", "0", "false", "no", "off"):
         return frozenset()
     if raw.lower() in ("1", "true", "yes", "on", "all"):
@@ -129,16 +121,11 @@ def _env_off() -> frozenset | bool:
     return names
 
 
-def public_version(v: str | None) -> str | None:
-    """'2.14.1' for '2.14.1+cu130' (the local build tag dropped); None stays None."""
-    return None if v is None else v.split("+", 1)[0]
-
-
 @functools.cache
 def installed_version(dist: str) -> str | None:
-    """The installed release of a distribution (local tag dropped), None if not installed."""
+    """The installed release of a distribution ('2.14.1' for '2.14.1+cu130'), None if not installed."""
     try:
-        return public_version(metadata.version(dist))
+        return metadata.version(dist).split("+", 1)[0]
     except metadata.PackageNotFoundError:
         return None
 
@@ -158,19 +145,26 @@ def unverified(name: str) -> list[str]:
 def enabled(name: str) -> bool:
     """Whether the accelerator `name` runs here: not turned off (`set_stock`, `stock()`,
     `SHRAM_STATIC_STOCK`) and every package it touches at a release it was verified on.
+    Decided once per switch setting (`decide`); called when a step compiles or a program is
+    exported, never per token.
 
     Raises:
         KeyError: `name` is not registered.
     """
+    return decide(name, _stock, os.environ.get(STOCK_ENV, ""))
+
+
+@functools.cache
+def decide(name: str, stock_switch: bool | None, env: str) -> bool:
+    """`enabled(name)` for one setting of the Python switch and of `SHRAM_STATIC_STOCK`."""
     if name not in REGISTRY:
         raise KeyError(f"no accelerator {name!r}; registered: {', '.join(REGISTRY)}")
-    if _stock is True:
+    if stock_switch is True:
         return False
-    if _stock is None:
-        off = _env_off()
+    if stock_switch is None:
+        off = _env_off(env)
         if off is True or name in off:
-            _log_once((name, "env"), logging.DEBUG, "accelerator %s off (%s); the stock path runs",
-                      name, STOCK_ENV)
+            log.debug("accelerator %s off (%s); the stock path runs", name, STOCK_ENV)
             return False
     bad = unverified(name)
     if bad:
@@ -182,18 +176,8 @@ def enabled(name: str) -> bool:
     return True
 
 
-def report() -> list[dict]:
-    """One row per accelerator: name, where, internals, verified releases, and whether it runs here."""
-    return [{"name": a.name, "where": a.where, "internals": a.internals,
-             "verified": {d: list(v) for d, v in a.verified.items()}, "enabled": enabled(a.name)}
-            for a in REGISTRY.values()]
-
-
-# ----------------------------------------------------------------------------------------
-# Supported versions (checked when the package is imported)
-# ----------------------------------------------------------------------------------------
-
-# Oldest supported release of each core dependency, and the newest release line tested.
+# Supported versions (checked when the package is imported): the oldest release of each core
+# dependency, and the newest release line tested.
 SUPPORTED = {"torch": ((2, 13), (2, 14)), "executorch": ((1, 4), (1, 5))}
 
 
@@ -215,15 +199,13 @@ def check_versions(versions: dict | None = None) -> list[str]:
     """Checks torch and ExecuTorch against `SUPPORTED`.
 
     Args:
-        versions: distribution -> version string (None: not installed); default the installed ones.
+        versions: distribution -> version (None: not installed); default the installed ones.
 
     Returns:
-        One line per package newer than the newest release line tested (it may work; every
-        accelerator that touches it is off).
+        One line per package newer than the newest release line tested (its accelerators are off).
 
     Raises:
-        UnsupportedVersionError: torch missing, or torch / ExecuTorch older than supported;
-            the message names the supported versions and the command that installs them.
+        UnsupportedVersionError: torch missing, or torch / ExecuTorch older than supported.
     """
     if versions is None:
         versions = {d: installed_version(d) for d in SUPPORTED}

@@ -1,26 +1,14 @@
 """The C++ kernels of one compiled step built as a few files, not one file each.
 
-In its Python-wrapper mode Inductor builds every C++ kernel of a graph as its own shared
-library: the generated wrapper module calls `AsyncCompile.cpp_pybinding(argtypes, source)`
-once per kernel (one g++ run each, `compile_threads` at a time) and `AsyncCompile.wait` before
-the graph first runs. Each g++ run pays a fixed cost, most of it instantiating the templates of
-`cpp_prefix.h`, which its precompiled header leaves to every translation unit; with a cold
-compile cache (a new user's first run) that fixed cost is a large share of a step's C++ build
-time (docs/performance.md, "Accelerators").
-
-Inside `batched_builds()`, the kernels one wrapper module asks for are collected instead, and
-built when its `wait` (or anything else) first needs one: split into `compile_threads` files
-of about equal size (so the builds still run side by side), each file the kernels' own sources
-with the entry function renamed `kernel_<i>`, and Python bindings made by Inductor's own
-template, built and loaded through Inductor's `CppPythonBindingsCodeCache` (same flags, same
-on-disk cache). A kernel whose source does not allow the renaming, or a file that fails to
-build or load, is built the way Inductor builds it (the failed file costs its build time once;
-the kernels run are always Inductor's own code). Outside the context, and with one compile
-thread, Inductor's path is untouched: the patch is process-wide but only acts where a caller
-enters the context (the steps of a `StaticDecoder`, `shram-static train --compile`).
-
-Registered as the accelerator `batched_kernel_builds` (shram_static/accelerators.py): with
-another torch than it was verified on, or with `SHRAM_STATIC_STOCK=1`, the context does nothing.
+Inductor's Python wrapper builds every C++ kernel as its own shared library
+(`AsyncCompile.cpp_pybinding(argtypes, source)`: one g++ run each), and each run pays a fixed
+cost, most of it instantiating the templates of `cpp_prefix.h`: with a cold compile cache a
+large share of a step's build time. While `batched_builds()` is entered, the kernels one wrapper
+module asks for are collected and built, when first needed, as `compile_threads` files of
+about equal size, each entry renamed `kernel_<i>` and bound by Inductor's own template, through
+Inductor's `CppPythonBindingsCodeCache` (same flags, same on-disk cache). A kernel that does not
+allow the renaming, or a file that fails to build, is built as Inductor builds it.
+`hook_compiles()` enters it for every Dynamo compile, so it acts only while something compiles.
 """
 
 import contextlib
@@ -29,38 +17,58 @@ import logging
 import re
 import threading
 
-from .accelerators import enabled
+from .registry import enabled
 
 log = logging.getLogger(__name__)
 
 _ENTRY = re.compile(r"\bvoid\s+kernel\s*\(")  # the definition of Inductor's entry function
 _NAME = re.compile(r"\bkernel\b")
-_local = threading.local()  # .depth: nesting of batched_builds() on this thread
 _lock = threading.Lock()
 _original = None  # Inductor's AsyncCompile.cpp_pybinding, once patched
+_depth = 0  # nesting of batched_builds() (process-wide: Dynamo's end callback may run on another thread)
+_hook = None  # (start, end): the Dynamo callbacks of hook_compiles(), once made
 
 
 @contextlib.contextmanager
 def batched_builds():
-    """Within this context (on this thread), the C++ kernels of each graph Inductor compiles
-    are built a few files at a time. Installs the patch on first use; nests; yields nothing.
-    Does nothing where the accelerator `batched_kernel_builds` is off."""
+    """Within this context, the C++ kernels of each graph Inductor compiles are built a few
+    files at a time (where `batched_kernel_builds` is on). Installs the patch on first use; nests."""
+    global _depth
     if not enabled("batched_kernel_builds"):
         yield
         return
     _install()
-    _local.depth = getattr(_local, "depth", 0) + 1
+    with _lock:
+        _depth += 1
     try:
         yield
     finally:
-        _local.depth -= 1
+        with _lock:
+            _depth -= 1
 
 
-def run_batched(fn, *args, **kwargs):
-    """`fn(*args, **kwargs)` inside `batched_builds()`: for a call of a compiled function that
-    may compile (a first call, or one with its guards checked)."""
-    with batched_builds():
-        return fn(*args, **kwargs)
+def hook_compiles() -> bool:
+    """Enters `batched_builds()` for the length of every Dynamo compile in this process (its
+    compile start/end callbacks, registered again after a `torch._dynamo.reset()` clears them);
+    returns whether they are in place. WHY Dynamo's callbacks (private): a compile starts inside
+    whatever call first needs it (a first call, failed guards, a lazy backward); wrapping every
+    call would put the context on the per-token path."""
+    global _hook
+    if not enabled("batched_kernel_builds"):
+        return False
+    try:
+        from torch._dynamo.callback import callback_handler as handler
+        registered = handler.start_callbacks
+    except (ImportError, AttributeError):  # another torch: its compiles build as Inductor does
+        return False
+    with _lock:
+        if _hook is None:
+            stack = contextlib.ExitStack()  # Dynamo runs start/end for the outermost compile only
+            _hook = lambda _args: stack.enter_context(batched_builds()), lambda _args: stack.close()  # noqa: E731
+        if _hook[0] not in registered:
+            handler.register_start_callback(_hook[0])
+            handler.register_end_callback(_hook[1])
+    return True
 
 
 def _install() -> None:
@@ -76,7 +84,7 @@ def _install() -> None:
 def _cpp_pybinding(self, argtypes, source_code):
     """`AsyncCompile.cpp_pybinding` while patched: a kernel deferred to its module's batch."""
     from torch._inductor.async_compile import get_compile_threads, kernel_code_log
-    if (getattr(_local, "depth", 0) == 0 or get_compile_threads() <= 1
+    if (_depth == 0 or get_compile_threads() <= 1
             or len(_ENTRY.findall(source_code)) != 1 or len(_NAME.findall(source_code)) != 1):
         return _original(self, argtypes, source_code)
     kernel_code_log.info("CPP+Bindings Kernel:\n%s", source_code)  # as Inductor logs it
@@ -87,9 +95,7 @@ def _cpp_pybinding(self, argtypes, source_code):
 
 
 @functools.cache
-def _future_type():
-    # WHY made on first use: the package imports this module, and importing Inductor's
-    # codecache at that point would add its import time to every command.
+def _future_type():  # WHY on first use: importing Inductor's codecache costs every command
     from torch._inductor.codecache import CodeCacheFuture
 
     class KernelFuture(CodeCacheFuture):

@@ -1,17 +1,16 @@
 """A lowered edge program (XNNPACK delegates included) to a picklable value and back, so a
 method lowered in a forked process (`forked.run_jobs`) joins the program emitted here.
 
-ExecuTorch's own serializer (`executorch.exir.serde`) carries the graph, the delegates'
-processed bytes, named data and original modules. Its fake values lose `requires_grad`, which
-the emitter writes into every tensor of the program, so the flags travel beside it, by node
-name. The emitted program is then the one lowering in this process gives, but for where
-memory planning places tensors of equal size: ExecuTorch's greedy planner visits them in the
-order of a set hashed by object identity, so that order is not even fixed between two
-processes lowering alike (tests/test_lowering.py compares the programs without offsets).
+ExecuTorch's serializer (`executorch.exir.serde`) carries the graph, the delegates' bytes,
+named data and original modules; `requires_grad` (which the emitter writes) travels beside it.
+The emitted program is the one lowering here gives, but for where memory planning places
+tensors of equal size (an order hashed by object identity, not fixed between processes).
 """
 
 import torch
 import torch.utils._pytree as pytree
+
+from .forked import run_jobs
 
 
 def _grad_flags(ep) -> dict:
@@ -28,11 +27,9 @@ def _lowered_modules(ep) -> dict:
 def edge_program_to_value(ep) -> tuple:
     """An edge `ExportedProgram` as a picklable value (`edge_program_from_value` reverses it).
 
-    The delegates' named data (XNNPACK's weights) and their original modules' tensors travel
-    beside the serialized program, as tensors and bytes. WHY: the serializer writes them as
-    base64 text inside JSON inside JSON, several times the weights' size, and reading it back
-    raised the export's peak memory by gigabytes on the bench model. Meanwhile the serializer
-    sees the original modules' tensors on the meta device (no data); `ep` is restored after.
+    The delegates' named data and their original modules' tensors travel beside the serialized
+    program. WHY: the serializer writes them as base64 inside nested JSON, several times their
+    size (gigabytes of peak memory); it sees them on the meta device, and `ep` is restored after.
     """
     from executorch.exir.serde.serialize import serialize
 
@@ -66,9 +63,15 @@ def _put_back(lowered: dict, data: dict) -> None:
                     d[k] = tensors[k]
 
 
-# Registered as the accelerator `parallel_lowering` (shram_static/accelerators.py): `forked.run_jobs`
+# Registered as the accelerator `parallel_lowering` (registry.py): `forked.run_jobs`
 # lowers in one process where it is off.
 edge_program_to_value.accelerator = "parallel_lowering"
+
+
+def lower_in_parallel(jobs: dict, parallel: bool = True) -> dict:
+    """`run_jobs` of jobs that each return a lowered edge `ExportedProgram` (sent back from a
+    forked process as `edge_program_to_value`; all in this process where `parallel_lowering` is off)."""
+    return run_jobs(jobs, edge_program_to_value, edge_program_from_value, parallel)
 
 
 def edge_program_from_value(value: tuple):
