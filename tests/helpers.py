@@ -339,3 +339,40 @@ def needs(*names):
     from shram_static.accelerators import enabled
     off = [n for n in names if not enabled(n)]
     return pytest.mark.skipif(bool(off), reason=f"accelerators off here: {', '.join(off)}")
+
+
+def program_ops(et_program, method: str) -> dict:
+    """What one method of an emitted program runs, for graph checks and reports.
+
+    Args:
+        et_program: an `ExecutorchProgramManager` (from `to_executorch`).
+        method: method name.
+
+    Returns:
+        {"kernels": {"aten::op.overload": calls} (portable kernels, outside any delegate),
+         "delegate_calls": int, "delegated_ops": int (edge ops inside the delegates),
+         "backends": sorted backend ids}.
+    """
+    from executorch.exir.lowered_backend_module import LoweredBackendModule
+
+    plan = next((p for p in et_program.executorch_program.execution_plan if p.name == method), None)
+    if plan is None:
+        raise KeyError(f"no method {method!r} in the program")
+    names = [f"{o.name}.{o.overload}" if o.overload else o.name for o in plan.operators]
+    kernels: dict[str, int] = {}
+    delegate_calls = 0
+    for chain in plan.chains:
+        for ins in chain.instructions:
+            kind = type(ins.instr_args).__name__
+            if kind == "KernelCall":
+                op = names[ins.instr_args.op_index]
+                kernels[op] = kernels.get(op, 0) + 1
+            elif kind == "DelegateCall":
+                delegate_calls += 1
+    delegated, backends = 0, set()
+    for _, mod in et_program.exported_program(method).graph_module.named_children():
+        if isinstance(mod, LoweredBackendModule):
+            backends.add(mod.backend_id)
+            delegated += sum(n.op == "call_function" for n in mod.original_module.graph.nodes)
+    return {"kernels": kernels, "delegate_calls": delegate_calls, "delegated_ops": delegated,
+            "backends": sorted(backends)}

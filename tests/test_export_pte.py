@@ -19,14 +19,14 @@ import torch
 
 from helpers import (ALLOWED_KERNELS, GOLDEN_CASES, LOWERING_ACCELERATORS, STOCK_LOWERING_CASE,
                      check_last_token_prefill, check_verify_step, delegated_ops, golden_case, golden_run,
-                     tiny_model)
+                     program_ops, tiny_model)
 
 from shram_static import StaticDecoder
 from shram_static.accelerators import enabled
 from shram_static.console import LEAFSPEC_NOTICE
 from shram_static.export import ExportFormatError, export_onnx, export_pte, load_pte
 from shram_static.accelerators.forked import can_fork
-from shram_static.export.pte import lower_program, program_ops
+from shram_static.export.pte import lower_program
 from shram_static.tokenizer import ByteTokenizer, bytes_to_unicode
 
 

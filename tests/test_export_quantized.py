@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 
-from helpers import ALLOWED_KERNELS, tiny_model
+from helpers import ALLOWED_KERNELS, program_ops, tiny_model
 
 from shram_static import StaticDecoder
 from shram_static.export import load_pte
-from shram_static.export.pte import lower_program, program_ops
+from shram_static.export.pte import lower_program
 from shram_static.export.quantize import quantize_weights
 from shram_static.tokenizer import ByteTokenizer
 

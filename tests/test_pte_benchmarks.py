@@ -8,9 +8,9 @@ import contextlib
 import pytest
 import torch
 
-from helpers import delegated_ops, tiny_model
+from helpers import delegated_ops, program_ops, tiny_model
 
-from shram_static.export.pte import lower_program, program_ops
+from shram_static.export.pte import lower_program
 
 
 @pytest.mark.parametrize("quantize", [None, "int8"])
