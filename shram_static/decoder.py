@@ -1,7 +1,6 @@
 """`StaticDecoder`: the static steps in PyTorch, eager or `torch.compile(fullgraph=True)`."""
 
 import contextlib
-import warnings
 
 import torch
 import torch._inductor.config  # noqa: F401 -- read below for the FP-contraction option
@@ -62,8 +61,6 @@ class StaticDecoder(HostDecoder):
             never modified. On CPU, Inductor's check of the machine's vector ISA starts
             at once, in the background (`cpu_isa.py`).
         eos_token_id: id that ends a row in `generate`.
-        skip_guards: deprecated and ignored (a FutureWarning when given): Dynamo checks every
-            compiled step's guards on every call.
         verify_len: tokens per row of the verify step (`verify`: the last accepted token and
             up to verify_len - 1 guesses, speculative decoding), its own compiled function;
             None: no verify step (verification then runs as prefill). Steps of at most
@@ -89,11 +86,8 @@ class StaticDecoder(HostDecoder):
     """
 
     def __init__(self, model, batch_size: int = 1, prefill_chunk: int = 32, compile: bool = False,
-                 eos_token_id: int | None = None, skip_guards: bool | None = None, verify_len: int | None = 5,
+                 eos_token_id: int | None = None, verify_len: int | None = 5,
                  rollback_limit: int | None = None, quantize: str | None = None):
-        if skip_guards is not None:
-            warnings.warn("StaticDecoder(skip_guards=...) has no effect and will be removed: Dynamo "
-                          "checks each compiled step's guards on every call", FutureWarning, stacklevel=2)
         super().__init__(model.config, batch_size, prefill_chunk, eos_token_id)
         check_verify_len(verify_len)
         check_quantize(quantize)
@@ -129,7 +123,6 @@ class StaticDecoder(HostDecoder):
         self._row_weights = [w for m in packers for w in m.sources]
         self._row_stamps = _stamps(self._row_weights)
         self.compiled = compile
-        self.skip_guards = False  # deprecated: Dynamo checks each step's guards on every call
         self._held: set[str] | None = None  # inside `steady`: the steps whose weights were checked there
         if compile:
             accelerators.prepare_compile(p.device.type)  # ISA check beside the first trace; batched builds

@@ -328,18 +328,8 @@ def test_steps_get_canonical_contiguous_inputs(monkeypatch):
     assert len(seen) == 2, seen
 
 
-def test_skip_guards_is_deprecated_and_changes_nothing():
-    """`skip_guards=` still constructs (callers keep working) but warns that it does nothing;
-    without it, no warning. The decoder built with it gives the eager model's logits."""
-    import warnings
-
+def test_skip_guards_is_gone():
+    """`skip_guards=` (it never changed anything) is refused as any unknown keyword is."""
     model, g = golden_case("main_basic")
-    ids = g["input_ids"]
-    with pytest.warns(FutureWarning, match="skip_guards"):
-        dec = StaticDecoder(model, batch_size=ids.shape[0], prefill_chunk=4, skip_guards=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)
-        StaticDecoder(model, batch_size=ids.shape[0], prefill_chunk=4)
-    with torch.no_grad():
-        want = model(ids).logits
-    assert torch.allclose(dec.prefill(ids), want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(TypeError, match="skip_guards"):
+        StaticDecoder(model, batch_size=g["input_ids"].shape[0], prefill_chunk=4, skip_guards=True)
