@@ -25,7 +25,7 @@ ROW_INPUTS_STORED = {"realize_reads_threshold": 1}
 
 # Inductor option for both compiled steps: no `assert_size_stride` calls in the generated
 # Python wrapper. WHY: it re-checks, on every call, the sizes and strides of every weight and
-# state tensor a step reads (~35 per decoder layer, each a C++ call from Python); Dynamo's
+# state tensor a step reads (each a C++ call from Python); Dynamo's
 # guards check the same before every call, and a step's own inputs come from `_run` in fixed
 # shapes. A public Inductor option, not a registered accelerator.
 NO_SIZE_ASSERTS = {"size_asserts": False}
@@ -34,12 +34,9 @@ NO_SIZE_ASSERTS = {"size_asserts": False}
 # it feeds into one fused multiply-add. WHY: Inductor builds its C++ with -ffp-contract=off
 # (its `cpp.enable_floating_point_contract_flag`), so each of RowLinear's row reductions and
 # each attention sum issues a multiply and a separate add per element, and the few-token steps
-# are bound by those instructions once their weights sit in cache (a verify step of 5 tokens
-# does 5 multiply-adds per weight read). An FMA rounds once instead of twice: the logits move
-# by float rounding, as any change of summation order does. Measured with
-# benchmarks/inductor_options.py on torch 2.13.0 and 2.14.1 (docs/performance.md, "Compiled
-# torch"): the built-in model's verify step 0.92-0.96x, the bench model's decode step
-# 0.93-0.96x and verify step 0.95-0.98x. A public Inductor option; empty where a torch lacks it.
+# are bound by those instructions once their weights sit in cache. An FMA rounds once instead
+# of twice: the logits move by float rounding, as any change of summation order does
+# (docs/performance.md, "Compiled torch"). A public Inductor option; empty where a torch lacks it.
 FMA_CONTRACTION = ({"cpp.enable_floating_point_contract_flag": "fast"}
                    if hasattr(torch._inductor.config.cpp, "enable_floating_point_contract_flag") else {})
 STEP_OPTIONS = {**NO_SIZE_ASSERTS, **FMA_CONTRACTION}  # what every compiled step is built with
@@ -110,8 +107,7 @@ class StaticDecoder(HostDecoder):
             # (RowExperts), the last-token head of a prompt chunk over B rows
             row_linear_(self.model)
             # int4, at one row too: its loops are bound by instructions, and the norm's rsqrt
-            # inlined into each of them costs 1.14x the step (bench model; int8: no difference;
-            # docs/performance.md, "Quantization")
+            # inlined into each of them is measurable (docs/performance.md, "Quantization")
             if batch_size > 1 or quantize == "int4":
                 decode_options = {**STEP_OPTIONS, **ROW_INPUTS_STORED}
         self.module = StepModule(self.model, self.state, per_token_max=few)

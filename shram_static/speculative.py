@@ -36,7 +36,7 @@ PROBE_EVERY = 2  # a gated-off prompt lookup still verifies one round in this ma
 # shorter than LOOKUP_NGRAMS[1]. WHY these and PROBE_EVERY: replaying greedy decoding of the
 # built-in model on 8 prompts (`benchmarks/prompt_lookup.py`), (8, 2) with a probe every 2nd
 # gated-off round needs fewer steps than (3, 1) every 8th on every prompt, grounded and free
-# (1.56x against 1.42x plain decoding's steps, geometric mean): a longer match picks the right
+# (docs/speculative.md): a longer match picks the right
 # earlier occurrence, and a one-token match (a byte, a common word) guesses no better than
 # chance, costing a verify step.
 LOOKUP_NGRAMS = (8, 2)
@@ -200,8 +200,8 @@ def _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, stre
         draft.reset()
         draft.prefill(ids, live, last_only=True)
     # WHY Python lists, not the output tensor, until the end: a round appends ~2 tokens per row
-    # and reads the last one back, and each tensor element read or write costs ~3 us, a visible
-    # share of what a round of a small model's speculation costs beside a plain decode step.
+    # and reads the last one back, and each tensor element read or write costs microseconds, a
+    # visible share of what a round of a small model's speculation costs.
     rows: list[list[int]] = [[] for _ in range(B)]  # tokens produced per row
     done = [False] * B
     lookups = []

@@ -117,8 +117,8 @@ def steal_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None
     return round((after[0] - before[0]) / (after[1] - before[1]), 3)
 
 
-# Readings further apart than this (max / min) are two memory speeds, not noise: this VM's
-# reading alternates between about 35 and 68 GB/s, and the steps do not follow it alike
+# Readings further apart than this (max / min) are two memory speeds, not noise: a VM's
+# reading can alternate between two levels, and the steps do not follow it alike
 # (docs/performance.md, "Measuring").
 SPREAD_LIMIT = 1.5
 

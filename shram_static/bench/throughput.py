@@ -41,7 +41,7 @@ BENCH_CONFIG = dict(vocab_size=50277, embedding_width=512, mlp_width=1366, num_d
                     inference_sequence_length=2048)
 # A prompt is prefilled again (after a reset) while its runs so far took under PREFILL_REPEAT_S
 # seconds, PREFILL_RUNS at most, and timed as their median: a single run of a short prompt
-# swings 2x between rounds, far more than the backends differ.
+# swings between rounds far more than the backends differ (docs/performance.md, "Measuring").
 PREFILL_REPEAT_S, PREFILL_RUNS = 1.0, 5
 
 
