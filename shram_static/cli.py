@@ -25,7 +25,7 @@ def generate(args) -> int:
     info(f"loading {where} ...")  # before the imports: torch and transformers take seconds
     import torch
 
-    from .backends import make_decoder
+    from .decoders import make_decoder
     from .default_model import load_model_and_tokenizer
     from .generation import TextTokenStreamer
 

@@ -15,7 +15,8 @@ import os
 import sys
 import time
 
-from .backends import BACKENDS, make_decoder
+from .backends import BACKENDS
+from .decoders import make_decoder
 from .console import info, positive_int
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from helpers import DATA
 
-from shram_static.backends import make_decoder
+from shram_static.decoders import make_decoder
 from shram_static.bench import build_model
 from shram_static.decoder import StaticDecoder
 from shram_static.default_model import default_model

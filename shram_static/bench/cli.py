@@ -64,14 +64,6 @@ def register_speculative(subparsers) -> None:
     p.set_defaults(func=_bench_speculative)
 
 
-def speculative_parser() -> argparse.ArgumentParser:
-    """`python -m shram_static.bench.speculative`'s parser: the `bench-speculative` options."""
-    p = argparse.ArgumentParser(prog="python -m shram_static.bench.speculative")
-    sub = p.add_subparsers(dest="command", required=True)
-    register_speculative(sub)
-    return sub.choices["bench-speculative"]
-
-
 def main(argv=None) -> int:
     """`python -m shram_static.bench`: the `bench` command, or one of its worker processes."""
     p = argparse.ArgumentParser(prog="python -m shram_static.bench", description="Throughput of every backend.")

@@ -171,7 +171,7 @@ def bench_speculative(args) -> int:
     """The `bench-speculative` subcommand."""
     import torch
 
-    from ..backends import make_decoder
+    from ..decoders import make_decoder
     from ..tokenizer import ByteTokenizer
     from .throughput import build_model
 
@@ -210,12 +210,3 @@ def bench_speculative(args) -> int:
                   f"around each; speculative: verify steps {r['spec_verify'] * 1e3:.3f} ms, decode steps "
                   f"{r['spec_decode'] * 1e3:.3f} ms, {r['spec_loop'] * 1e3:.3f} ms around each")
     return 0
-
-
-def main(argv=None) -> int:
-    from .cli import speculative_parser
-    return bench_speculative(speculative_parser().parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
