@@ -112,7 +112,9 @@ class Sampler:
         if not isinstance(bias, dict):
             raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
         for k in bias:
-            if isinstance(k, bool) or not isinstance(k, int) or k < 0 or (vocab_size is not None and k >= vocab_size):
+            if isinstance(k, bool) or not isinstance(k, int):
+                raise TypeError(f"logit_bias keys must be int token ids, got {type(k).__name__}")
+            if k < 0 or (vocab_size is not None and k >= vocab_size):
                 raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size or 'V'}), got {k!r}")
         return {k: _number(f"logit_bias[{k}]", v, -BIAS_LIMIT, BIAS_LIMIT) for k, v in bias.items()}
 
@@ -153,12 +155,12 @@ class Sampler:
             if history is None:
                 raise ValueError("presence_penalty, frequency_penalty and repetition_penalty need the "
                                  "tokens seen (a sampling.History)")
-            counts = history.counts.reshape(x.shape)
+            counts = history.counts.reshape(x.shape).to(torch.float64)
             if self.repetition_penalty != 1:
                 seen = history.in_prompt.reshape(x.shape) | (counts > 0)
                 r = self.repetition_penalty
                 x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
-            x = x - self.frequency_penalty * counts - self.presence_penalty * (counts > 0)
+            x = x - self.frequency_penalty * counts - self.presence_penalty * (counts > 0).to(torch.float64)
         return x
 
     def probs(self, logits: torch.Tensor, history: History | None = None) -> torch.Tensor:
