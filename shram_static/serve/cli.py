@@ -81,7 +81,8 @@ def add_model_args(p) -> None:
                         "a prompt shorter than 4 chunks joins one token per decode step instead, so "
                         "running streams never wait for a prefill step")
     p.add_argument("--max-queue", type=positive_int, default=64, metavar="N",
-                   help="requests that may wait for a free row; beyond, 429 with Retry-After (default 64)")
+                   help="requests that may wait while every row is busy (B + N at once are taken); beyond, "
+                        "429 with Retry-After (default 64)")
 
 
 def register(subparsers) -> None:
