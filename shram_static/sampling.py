@@ -51,8 +51,10 @@ class History:
     """
 
     def __init__(self, prompt: torch.Tensor, live: torch.Tensor | None, vocab_size: int):
-        prompt = torch.as_tensor(prompt, dtype=torch.long).reshape(-1, torch.as_tensor(prompt).shape[-1])
+        prompt = torch.as_tensor(prompt, dtype=torch.long)
+        prompt = prompt.reshape(-1, prompt.shape[-1])
         w = torch.ones_like(prompt) if live is None else torch.as_tensor(live).reshape(prompt.shape).long()
+        # a dead (padding) position adds 0: only live tokens mark their id as seen
         self.in_prompt = torch.zeros(prompt.shape[0], vocab_size, dtype=torch.long).scatter_add_(
             1, prompt.clamp(0, vocab_size - 1), w) > 0  # (N, V)
         self.counts = torch.zeros(prompt.shape[0], vocab_size, dtype=torch.long)  # (N, V)

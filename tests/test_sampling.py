@@ -213,3 +213,21 @@ def test_generate_applies_the_adjustments_greedy(kw):
     assert not torch.equal(got, dec.generate(ids, max_new_tokens=8))
     with pytest.raises(ValueError, match="speculate"):
         dec.generate(ids, max_new_tokens=4, speculate=2, **kw)
+
+
+def test_generate_penalises_only_live_prompt_tokens():
+    """A padded position (attention_mask 0) is not part of the prompt: its id is not penalised.
+    The padding holds the token the penalised greedy picks first, so counting it would change
+    that pick."""
+    model = tiny_model()
+    dec = StaticDecoder(model, batch_size=2, prefill_chunk=4)
+    ids = random_ids(model.config, 2, 7, seed=8)
+    kw = {"repetition_penalty": 3.0}
+    first = reference_generate(model, ids[1, 3:].tolist(), 1, **kw)[0]
+    assert first not in ids[1, 3:].tolist()
+    ids[1, :3] = first
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, :3] = False
+    got = dec.generate(ids, mask, max_new_tokens=6, **kw)
+    assert got[0].tolist() == reference_generate(model, ids[0].tolist(), 6, **kw)
+    assert got[1].tolist() == reference_generate(model, ids[1, 3:].tolist(), 6, **kw)
