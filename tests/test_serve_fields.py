@@ -107,6 +107,9 @@ def test_adjusted_greedy_and_logprobs_match_an_independent_computation(model, cl
             if c.logprobs is not None:
                 lps += [(lp, sorted(top.values(), reverse=True)) for lp, top in
                         zip(c.logprobs.token_logprobs, c.logprobs.top_logprobs)]
+                # as OpenAI: the sampled token is among the top ones (logprobs + 1 at most)
+                assert all(t in top and len(top) <= TOP + 1 for t, top in zip(c.logprobs.tokens,
+                                                                           c.logprobs.top_logprobs))
         else:
             got_text += (c.delta.content or "") if stream else c.message.content
             if c.logprobs is not None:
@@ -116,8 +119,10 @@ def test_adjusted_greedy_and_logprobs_match_an_independent_computation(model, cl
     assert len(lps) == len(want)
     for (lp, top), (want_lp, want_top) in zip(lps, want_lps):
         assert abs(lp - want_lp) < 1e-3, (lp, want_lp)  # raw: before the adjustments
-        if endpoint == "chat":  # completions' dict merges tokens of equal text (U+FFFD)
+        if endpoint == "chat":
             np.testing.assert_allclose(top, want_top, atol=1e-3)
+        else:  # completions' dict keys are texts: tokens of equal text (U+FFFD) keep the largest
+            assert abs(top[0] - want_top[0]) < 1e-3
 
 
 def test_sampled_with_adjustments_is_generates(model, client):

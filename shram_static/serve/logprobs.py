@@ -20,15 +20,24 @@ def completion_logprobs(tokenizer, tokens: list[int], lps: list, offset: int) ->
         offset: the text offset of the first token (the length of the text before it).
 
     Returns:
-        ({"tokens", "token_logprobs", "top_logprobs", "text_offset"}, the offset after them).
+        ({"tokens", "token_logprobs", "top_logprobs", "text_offset"}, the offset after them);
+        each `top_logprobs` entry holds the sampled token too (up to logprobs + 1 entries, as
+        OpenAI's legacy completions).
     """
     texts = [tokenizer.decode([i]) for i in tokens]
     offsets = []
     for t in texts:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": texts, "token_logprobs": [c for c, _ in lps],
-            "top_logprobs": [{tokenizer.decode([i]): v for i, v in top.items()} for _, top in lps],
+    # as OpenAI: the top tokens, and the sampled one too when it is not among them; tokens of
+    # the same text (parts of characters: U+FFFD) keep the largest logprob
+    tops = []
+    for text, (c, top) in zip(texts, lps):
+        tops.append({})
+        for i, v in top.items():  # largest first
+            tops[-1].setdefault(tokenizer.decode([i]), v)
+        tops[-1].setdefault(text, c)
+    return {"tokens": texts, "token_logprobs": [c for c, _ in lps], "top_logprobs": tops,
             "text_offset": offsets}, offset
 
 
