@@ -192,6 +192,8 @@ BAD = {  # name: (body, path, the field the error names)
     "best_of_two": ({**P, "best_of": 2}, "/v1/completions", "best_of"),
     "suffix": ({**P, "suffix": "!"}, "/v1/completions", "suffix"),
     "unknown_field": ({**P, "min_p": 0.1}, "/v1/completions", "min_p"),
+    "unknown_nested_field": ({**P, "stream_options": {"include_obfuscation": True}}, "/v1/completions",
+                             "stream_options"),
     "echo_logprobs": ({**P, "echo": True, "logprobs": 1}, "/v1/completions", "echo"),
     "bias_out_of_vocab": ({**P, "logit_bias": {"259": 1}}, "/v1/completions", "logit_bias"),
     "bias_not_an_id": ({**P, "logit_bias": {"a": 1}}, "/v1/completions", "logit_bias"),

@@ -40,21 +40,21 @@ class APIError(Exception):
 # OpenAI request fields this server takes only in the values it serves: what a refused value
 # gets told (the schema below admits only the served values)
 UNSUPPORTED = {
-    "n": "one choice per request: n must be 1 (send several requests)",
-    "best_of": "one completion per request: best_of must be 1",
-    "suffix": "insertion is not supported: suffix must be empty",
-    "tools": "tools (function calling) are not supported",
-    "tool_choice": "tools are not supported: tool_choice can only be 'none'",
-    "functions": "functions (function calling) are not supported",
-    "function_call": "functions are not supported: function_call can only be 'none'",
-    "response_format": "only {'type': 'text'} is supported (no JSON mode or JSON schema)",
-    "audio": "audio output is not supported",
-    "modalities": "only the 'text' modality is supported",
-    "prediction": "predicted outputs are not supported",
-    "web_search_options": "web search is not supported",
-    "reasoning_effort": "this model does not reason: reasoning_effort is not supported",
-    "verbosity": "verbosity is not supported",
-    "store": "stored completions are not supported: store must be false",
+    "n": "one choice per request: n can only be 1 (send several requests)",
+    "best_of": "one completion per request: best_of can only be 1",
+    "suffix": "no insertion: suffix can only be empty",
+    "tools": "no function calling: tools can only be null",
+    "tool_choice": "no function calling: tool_choice can only be 'none'",
+    "functions": "no function calling: functions can only be null",
+    "function_call": "no function calling: function_call can only be 'none'",
+    "response_format": "no JSON mode or JSON schema: response_format can only be {'type': 'text'}",
+    "audio": "text output only: audio can only be null",
+    "modalities": "text output only: modalities can only be ['text']",
+    "prediction": "no predicted outputs: prediction can only be null",
+    "web_search_options": "no web search: web_search_options can only be null",
+    "reasoning_effort": "this model does not reason: reasoning_effort can only be null",
+    "verbosity": "no verbosity setting: verbosity can only be null",
+    "store": "no stored completions: store can only be false",
     "service_tier": "one service tier: service_tier can only be 'auto' or 'default'",
 }
 
@@ -71,13 +71,13 @@ def validation_error(errors: list[dict]) -> APIError:
     if not loc:
         return APIError(400, f"the request body must be a JSON object: {e['msg']}")
     param = str(loc[0])
-    if e.get("type") == "extra_forbidden" and len(loc) == 1:
-        return APIError(400, f"unrecognized request field '{param}': this server does not support it",
-                        param, code="unknown_parameter")
-    if param in UNSUPPORTED:
-        return APIError(400, f"'{param}' is not supported with this value: {UNSUPPORTED[param]}", param,
-                        code="unsupported_parameter")
     where = ".".join(str(p) for p in loc if not (isinstance(p, str) and "[" in p))  # no union tags
+    if param in UNSUPPORTED:
+        return APIError(400, f"'{param}' is not supported with this value ({UNSUPPORTED[param]})", param,
+                        code="unsupported_parameter")
+    if e.get("type") == "extra_forbidden":
+        return APIError(400, f"unrecognized request field '{where}': this server does not support it",
+                        param, code="unknown_parameter")
     if e.get("type") == "missing":
         return APIError(400, f"'{where}' is required", param)
     if len(errors) > 1 and all(str(x.get("loc", ("", ""))[1:2]) == str(e["loc"][1:2]) for x in errors):
