@@ -394,7 +394,7 @@ class Engine:
         lp = None
         if job.logprobs is not None:
             logp = torch.log_softmax(lg[0], -1)
-            top = torch.topk(logp, job.logprobs) if job.logprobs else None
+            top = torch.topk(logp, min(job.logprobs, logp.shape[-1])) if job.logprobs else None
             lp = [(float(logp[tok]), {int(i): float(v) for v, i in zip(*top)} if top else {})]
         text = r.text.push(tok)
         n = len(job.tokens)
