@@ -147,7 +147,7 @@ def adjusted(x, prompt, out, bias, presence, frequency, repetition):
 penalty_st = st.floats(-2, 2, allow_nan=False)
 
 
-@settings(FUZZ, max_examples=120)
+@settings(FUZZ, max_examples=60)
 @given(st.lists(f32.filter(lambda v: abs(v) < 1e4), min_size=2, max_size=30), st.data(), penalty_st, penalty_st,
        st.floats(0.05, 5.0), st.floats(1e-3, 3.0))
 def test_adjustments_match_the_formulas(x, data, presence, frequency, repetition, temperature):
