@@ -18,7 +18,9 @@ def generate(dec, input_ids: torch.Tensor, attention_mask: torch.Tensor | None =
              max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              eos_token_id: int | None = None, pad_token_id: int | None = None,
-             streamer=None, speculate: int | None = None, draft=None) -> torch.Tensor:
+             streamer=None, speculate: int | None = None, draft=None, *,
+             logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
+             frequency_penalty: float = 0.0, repetition_penalty: float = 1.0) -> torch.Tensor:
     """Resets, prefills the prompt, then decodes new tokens (greedy by default): `HostDecoder.generate`.
 
     Args:
@@ -39,6 +41,9 @@ def generate(dec, input_ids: torch.Tensor, attention_mask: torch.Tensor | None =
             as without speculation. Guesses come from prompt lookup, or from `draft`.
         draft: a `HostDecoder` of a smaller model with the same vocabulary and batch size,
             which drafts the guesses (implies speculate=4 if speculate is None).
+        logit_bias, presence_penalty, frequency_penalty, repetition_penalty: OpenAI's and
+            vLLM's adjustments of each step's logits (`sampling.Sampler`), greedy or
+            sampled; not with speculate or draft.
 
     Returns:
         (B, n) int64 new tokens.
@@ -47,7 +52,12 @@ def generate(dec, input_ids: torch.Tensor, attention_mask: torch.Tensor | None =
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    warp = Sampler(temperature, top_k, top_p)  # raises on a bad setting, before anything runs
+    # raises on a bad setting, before anything runs
+    warp = Sampler(temperature, top_k, top_p, logit_bias=logit_bias, presence_penalty=presence_penalty,
+                   frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                   vocab_size=dec.config.vocab_size)
+    if warp.adjusts and (speculate is not None or draft is not None):
+        raise ValueError("logit_bias and the penalties are not supported with speculate or draft")
     ids, live = dec.check_prompt(input_ids, attention_mask)
     n_prompt = live.long().sum(1)
     if bool((n_prompt == 0).any()):
@@ -99,11 +109,16 @@ def _plain(dec, ids, live, max_new_tokens: int, sample: bool, warp, gen, eos, pa
     feed_live = torch.ones(dec.batch_size, 1, dtype=torch.bool)  # (B, 1) rows still running
     if streamer is not None:
         streamer.put(ids)
+    seen = warp.history(ids, live, dec.config.vocab_size)  # None without penalties
     for t in range(max_new_tokens):
         if sample:
-            nxt = warp.sample(logits, gen).numpy()
+            nxt = warp.sample(logits, gen, seen).numpy()
+        elif warp.adjusts:
+            nxt = warp.argmax(logits, seen).numpy()
         else:
             nxt = logits.numpy().argmax(-1)  # the first of equal maxima, as torch's argmax
+        if seen is not None:
+            seen.add(torch.from_numpy(nxt))
         out[:, t] = np.where(done, pad, nxt)
         if streamer is not None:
             streamer.put(torch.from_numpy(out[:, t].copy()))

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,8 +194,9 @@ def test_export_onnx_command_writes_loadable_artifacts(tmp_path, capsys):
     tiny_model().save_pretrained(ckpt)
     assert main(["export", "--format", "onnx", "--checkpoint", str(ckpt), "--decode-only",
                  "--out", str(out)]) == 0
-    written = capsys.readouterr().out.split()
-    assert written == [str(out / "model.onnx")]
+    written = capsys.readouterr().out.split()  # every file it wrote, the model's graph first
+    assert written[0] == str(out / "model.onnx")
+    assert sorted(written) == sorted(str(out / f) for f in os.listdir(out))
     assert [f for f in sorted(os.listdir(out)) if f.startswith("model")] == ["model.onnx", "model.onnx.data"]
     assert (out / "tokenizer.json").is_file()
     ids = torch.tensor([ByteTokenizer().encode("Hi there")])
@@ -263,3 +265,34 @@ def test_importing_the_package_loads_each_runtime_only_when_used():
     mods = _imported_after("from shram_static import ShramForCausalLM, StaticDecoder")
     assert "torch" in mods and "transformers.modeling_utils" in mods
     assert not mods & {"executorch", "onnx", "onnxscript", "onnxruntime", "fastapi", "uvicorn"}, mods
+
+
+def test_export_prints_every_file_it_writes_as_the_readme_names_them(tmp_path, monkeypatch, capsys):
+    """`export` prints each file it writes (every one exists), with the names the README's
+    export examples give: the quantized files carry the mode (`model.int4.onnx`, its data,
+    `model.int8.pte`), and the built-in model's tokenizer files. The exporters are stand-ins
+    that write the files their real counterparts return (`graph_paths`: the real export of
+    test_export_onnx_command_writes_loadable_artifacts); the lowering is tested elsewhere."""
+    import shram_static.export as ex
+    from shram_static.export.common import graph_paths
+
+    def touch(path):
+        open(path, "w").close()
+        return path
+
+    def fake_onnx(model, path, prefill_chunk=None, **kw):
+        return {role: touch(p) for role, p in graph_paths(path).items() if role != "prefill" or prefill_chunk}
+
+    monkeypatch.setattr(ex, "export_pte", lambda model, path, **kw: touch(path))
+    monkeypatch.setattr(ex, "export_onnx", fake_onnx)
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    cases = [("onnx", "int4", ["model.int4.onnx", "model.int4.prefill.onnx", "model.int4.onnx.data"]),
+             ("pte", "int8", ["model.int8.pte"]),
+             ("pte,onnx", None, ["model.pte", "model.onnx", "model.prefill.onnx", "model.onnx.data"])]
+    for fmt, q, names in cases:
+        out = tmp_path / (q or "fp32")
+        assert main(["export", "--format", fmt, *(["--quantize", q] if q else []), "--out", str(out)]) == 0
+        printed = capsys.readouterr().out.split()
+        assert printed == [str(out / f) for f in names + ["tokenizer.json", "tokenizer_config.json"]]
+        assert all(os.path.isfile(p) for p in printed) and len(printed) == len(os.listdir(out))
+        assert all(n in readme for n in names), names

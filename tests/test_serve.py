@@ -162,6 +162,7 @@ def _bad(url, body, path="/v1/completions", headers=None):
 
 
 P = {"prompt": "ROMEO:", "max_tokens": 4}
+MSGS = [{"role": "user", "content": "hi"}]
 BAD = {  # name: (body, path, the field the error names)
     "malformed_json": (b'{"prompt": "x",', "/v1/completions", None),
     "not_an_object": ([1, 2], "/v1/completions", None),
@@ -187,8 +188,26 @@ BAD = {  # name: (body, path, the field the error names)
     "unknown_model": ({**P, "model": "gpt-4"}, "/v1/completions", "model"),
     "chat_no_template": ({"messages": [{"role": "user", "content": "hi"}]}, "/v1/chat/completions", "messages"),
     "chat_no_messages": ({"messages": []}, "/v1/chat/completions", "messages"),
-    "chat_logprobs": ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True},
-                      "/v1/chat/completions", "logprobs"),
+    # OpenAI fields this server does not serve, and fields OpenAI does not define
+    "best_of_two": ({**P, "best_of": 2}, "/v1/completions", "best_of"),
+    "suffix": ({**P, "suffix": "!"}, "/v1/completions", "suffix"),
+    "unknown_field": ({**P, "min_p": 0.1}, "/v1/completions", "min_p"),
+    "unknown_nested_field": ({**P, "stream_options": {"include_obfuscation": True}}, "/v1/completions",
+                             "stream_options"),
+    "echo_logprobs": ({**P, "echo": True, "logprobs": 1}, "/v1/completions", "echo"),
+    "bias_out_of_vocab": ({**P, "logit_bias": {"259": 1}}, "/v1/completions", "logit_bias"),
+    "bias_not_an_id": ({**P, "logit_bias": {"a": 1}}, "/v1/completions", "logit_bias"),
+    "bias_range": ({**P, "logit_bias": {"65": 101}}, "/v1/completions", "logit_bias"),
+    "presence_range": ({**P, "presence_penalty": 2.5}, "/v1/completions", "presence_penalty"),
+    "frequency_string": ({**P, "frequency_penalty": "1"}, "/v1/completions", "frequency_penalty"),
+    "repetition_zero": ({**P, "repetition_penalty": 0}, "/v1/completions", "repetition_penalty"),
+    **{f"chat_{k}": ({"messages": MSGS, k: v}, "/v1/chat/completions", k) for k, v in [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+        ("functions", [{"name": "f"}]), ("function_call", "auto"), ("response_format", {"type": "json_object"}),
+        ("audio", {"voice": "alloy", "format": "mp3"}), ("modalities", ["text", "audio"]),
+        ("prediction", {"type": "content", "content": "x"}), ("web_search_options", {}),
+        ("reasoning_effort", "low"), ("verbosity", "low"), ("store", True), ("service_tier", "flex"),
+        ("n", 2), ("top_logprobs", 2), ("logprobs", 1)]},
 }
 
 
@@ -205,10 +224,25 @@ def test_bad_inputs_get_400_naming_the_field_and_disturb_nobody(server, solo):
         assert err["error"]["param"] == param, (name, err)
         assert err["error"]["message"], name
     assert "chat template" in _bad(url, *BAD["chat_no_template"][:2])[1]["error"]["message"]
+    for name in ("best_of_two", "suffix", "chat_tools", "chat_store", "chat_response_format"):
+        assert "is not supported" in _bad(url, *BAD[name][:2])[1]["error"]["message"], name
+    assert "unrecognized request field 'min_p'" in _bad(url, *BAD["unknown_field"][:2])[1]["error"]["message"]
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model="nope", prompt="x", max_tokens=2)
     assert bystander.result(LIMIT_S) == solo("HAMLET:", 40)[0]
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_json_without_content_type_is_served(server, solo):
+    """A JSON body without a Content-Type is read as JSON (as llama.cpp's server reads it); a
+    body of another declared type gets 415 naming the type expected."""
+    url, _ = server
+    body = json.dumps({"prompt": "ROMEO:", "max_tokens": 5, "temperature": 0}).encode()
+    r = httpx.post(f"{url}/v1/completions", content=body, timeout=LIMIT_S)
+    assert "content-type" not in r.request.headers
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == solo("ROMEO:", 5)[0]
+    r = httpx.post(f"{url}/v1/completions", content=body, timeout=LIMIT_S, headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
 
 
 def _metric(url, name, **labels):

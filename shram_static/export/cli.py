@@ -1,4 +1,6 @@
-"""`shram-static export`: write `.pte` and/or `.onnx` artifacts plus `tokenizer.json`."""
+"""`shram-static export`: write `.pte` and/or `.onnx` artifacts plus `tokenizer.json`, and print
+the path of every file written, one per line (each format's main file first, the tokenizer's
+files last)."""
 
 import argparse
 import os
@@ -16,7 +18,7 @@ QUANTIZE = {"pte": quantize_modes("pte"), "onnx": quantize_modes("onnx"), "web":
 
 def export_main(args) -> int:
     """Exports the model of `--checkpoint` (built-in model when absent) into `--out`."""
-    from .web import export_web, find_ort_web
+    from .web import PAGE_FILES, RUNTIME_FILES, export_web, find_ort_web
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
     bad = [f for f in formats if f not in FORMATS]
@@ -43,8 +45,12 @@ def export_main(args) -> int:
     src = os.path.join(args.checkpoint, "tokenizer.json") if args.checkpoint else None
     if src and os.path.isfile(src):
         shutil.copy(src, os.path.join(args.out, "tokenizer.json"))
+        tok_files = ["tokenizer.json"]
     else:
-        tok.save(args.out)
+        tok.save(args.out)  # tokenizer.json, and a tokenizer_config.json naming its special tokens
+        tok_files = [f for f in ("tokenizer.json", "tokenizer_config.json")
+                     if os.path.isfile(os.path.join(args.out, f))]
+    written = []
     eos = tok.eos_token_id
     stem = os.path.join(args.out, "model")
     for fmt in formats:
@@ -61,23 +67,29 @@ def export_main(args) -> int:
         if fmt == "web":
             paths = export_web(model, tok, args.out, None if args.decode_only else args.prefill_chunk,
                                parallel=args.parallel, full_logits=args.full_logits)
-            path = paths["index"]
+            files = [*paths.values(), *(os.path.join(args.out, f) for f in PAGE_FILES + RUNTIME_FILES)]
         elif fmt == "pte":
             suffix = f".{quantize}" if quantize else ""
-            path = export_pte(model, f"{stem}{suffix}.pte", batch_size=args.batch_size,
-                              prefill_chunk=None if args.decode_only else args.prefill_chunk,
-                              quantize=quantize, eos_token_id=eos, bos_token_id=tok.bos_token_id,
-                              quantize_embedding=args.quantize_embedding, parallel=args.parallel,
-                              full_logits=args.full_logits)
+            files = [export_pte(model, f"{stem}{suffix}.pte", batch_size=args.batch_size,
+                                prefill_chunk=None if args.decode_only else args.prefill_chunk,
+                                quantize=quantize, eos_token_id=eos, bos_token_id=tok.bos_token_id,
+                                quantize_embedding=args.quantize_embedding, parallel=args.parallel,
+                                full_logits=args.full_logits)]
         else:
             suffix = f".{quantize}" if quantize else ""
             paths = export_onnx(model, f"{stem}{suffix}.onnx", batch_size=args.batch_size,
                                 prefill_chunk=None if args.decode_only else args.prefill_chunk,
                                 eos_token_id=eos, parallel=args.parallel, full_logits=args.full_logits,
                                 quantize=quantize)
-            path = paths["decode"]
-        info(f"wrote {path} in {time.perf_counter() - t:.0f} s")
-        print(path)
+            files = list(paths.values())  # the decode graph first
+        info(f"wrote {files[0]}{f' (+ {len(files) - 1} more files)' if len(files) > 1 else ''} in "
+             f"{time.perf_counter() - t:.0f} s")
+        for path in files:
+            if path not in written:  # web and onnx share the fp32 model.onnx
+                written.append(path)
+                print(path, flush=True)
+    for f in tok_files:
+        print(os.path.join(args.out, f))
     return 0
 
 

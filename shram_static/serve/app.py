@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from .engine import Engine, Event, Job, NotReady, QueueFull
 from .guard import BearerAuth, Guard
 from .limits import MAX_BODY_BYTES, MAX_STOP, MAX_STOP_CHARS
+from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import CONTENT_TYPE
 from .schema import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 
@@ -34,7 +35,7 @@ def load_decoder(checkpoint: str | None, backend: str, batch_size: int, prefill_
     """(decoder, tokenizer) of a checkpoint directory (None: the built-in model) on `backend`,
     with `batch_size` rows; `stack` owns an export backend's temporary directory. With
     `token_ids_only` the tokenizer is `TokenIdsOnly` (prompts and outputs as token ids)."""
-    from ..backends import make_decoder
+    from ..decoders import make_decoder
     from ..default_model import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(checkpoint, token_ids_only=token_ids_only)
@@ -169,11 +170,12 @@ def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, b
         _check_model(body.model, name)
         _need_ready(engine)
         ids, text = _prompt(body.prompt, engine)
-        if body.logprobs is not None and body.stream:
-            raise APIError(400, "'logprobs' is not supported with 'stream'", "logprobs")
+        if body.logprobs is not None and body.echo:
+            raise APIError(400, "'echo' with 'logprobs' is not supported: the prompt's tokens get no "
+                                "logprobs here (send one or the other)", "echo")
         # unset: 16 tokens, as OpenAI's legacy completions and vLLM (at most what fits)
         n = body.max_tokens if body.max_tokens is not None else min(16, engine.capacity - len(ids) + 1)
-        job = _job(body, ids, n, engine, stops)
+        job = _job(body, ids, n, engine, stops, body.logprobs)
         run = _Run(engine, job, request, "text_completion", name,
                    echo=(text if body.echo else ""), tokenizer=engine.tokenizer)
         if body.stream:
@@ -183,9 +185,8 @@ def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, b
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, name)
-        if body.logprobs:
-            raise APIError(400, "'logprobs' is not supported by chat completions here; use "
-                                "/v1/completions with 'logprobs'", "logprobs")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         _need_ready(engine)
         tok = engine.tokenizer
         template = getattr(getattr(tok, "tok", None), "chat_template", None)
@@ -198,7 +199,8 @@ def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, b
         except Exception as e:  # jinja errors: a message the template cannot render
             raise APIError(400, f"the chat template could not render 'messages': {e}", "messages") from e
         ids = _check_ids(_encode(tok, text, "messages", add_bos=False), engine, "messages")
-        job = _job(body, ids, body.max_completion_tokens or body.max_tokens, engine, stops)
+        job = _job(body, ids, body.max_completion_tokens or body.max_tokens, engine, stops,
+                   (body.top_logprobs or 0) if body.logprobs else None)
         run = _Run(engine, job, request, "chat.completion", name, tokenizer=tok)
         if body.stream:
             return StreamingResponse(run.stream(_usage(body)), media_type="text/event-stream")
@@ -260,8 +262,9 @@ def _check_ids(ids: list[int], engine: Engine, param: str) -> list[int]:
     return list(ids)
 
 
-def _job(body, ids: list[int], max_tokens: int | None, engine: Engine, limits: tuple[int, int]) -> Job:
-    S = engine.capacity
+def _job(body, ids: list[int], max_tokens: int | None, engine: Engine, limits: tuple[int, int],
+         logprobs: int | None) -> Job:
+    S, V = engine.capacity, engine.decoder.config.vocab_size
     stop, (most, longest) = body.stops(), limits
     if len(stop) > most:
         raise APIError(400, f"'stop' holds {len(stop)} strings; at most {most} are allowed", "stop")
@@ -275,10 +278,16 @@ def _job(body, ids: list[int], max_tokens: int | None, engine: Engine, limits: t
         raise APIError(400, f"'{field}' is too large: the prompt ({len(ids)} tokens) plus {max_tokens} "
                             f"new tokens exceed the context capacity of {S} tokens (at most "
                             f"{S - len(ids) + 1} new tokens for this prompt)", field)
+    bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
+    if any(k >= V for k in bias):
+        raise APIError(400, f"'logit_bias' holds token ids outside the vocabulary [0, {V}): "
+                            f"{sorted(k for k in bias if k >= V)[:8]}", "logit_bias")
     return Job(prompt=ids, sink=None, max_tokens=max_tokens,
                temperature=1.0 if body.temperature is None else body.temperature,
-               top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=stop,
-               logprobs=getattr(body, "logprobs", None))
+               top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=stop, logprobs=logprobs,
+               logit_bias=bias or None, presence_penalty=body.presence_penalty or 0.0,
+               frequency_penalty=body.frequency_penalty or 0.0,
+               repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty)
 
 
 def _usage(body) -> bool:
@@ -293,6 +302,7 @@ class _Run:
                  echo: str = "", tokenizer=None):
         self.job, self.request, self.kind, self.model = job, request, kind, model
         self.echo, self.tok = echo, tokenizer
+        self.offset = len(echo)  # the text offset of the next token's logprobs (completions)
         self.ids_only = _ids_only(tokenizer)
         self.id = f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -320,9 +330,9 @@ class _Run:
             return c
         if not delta:
             return {"index": 0, "message": {"role": "assistant", "content": text},
-                    "logprobs": None, "finish_reason": finish}
+                    "logprobs": logprobs, "finish_reason": finish}
         d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}
 
     def _obj(self, choices: list, chunk: bool, usage) -> dict:
         kind = self.kind + (".chunk" if chunk and self.kind.startswith("chat") else "")
@@ -332,16 +342,15 @@ class _Run:
             out["usage"] = usage
         return out
 
-    def _logprobs(self, lps: list, offset: int) -> dict:
-        toks = self.job.tokens[:len(lps)]
-        dec = lambda i: self.tok.decode([i])
-        offsets, at = [], offset
-        for i in toks:
-            offsets.append(at)
-            at += len(dec(i))
-        return {"tokens": [dec(i) for i in toks], "token_logprobs": [c for c, _ in lps],
-                "top_logprobs": [{dec(i): v for i, v in top.items()} for _, top in lps],
-                "text_offset": offsets}
+    def _logprobs(self, tokens: list[int], lps: list | None):
+        """The response's `logprobs` object of these tokens (None when not asked for); a
+        completion's text offsets continue from the previous call's."""
+        if self.job.logprobs is None:
+            return None
+        if self.kind.startswith("chat"):
+            return chat_logprobs(self.tok, tokens, lps or [])
+        out, self.offset = completion_logprobs(self.tok, tokens, lps or [], self.offset)
+        return out
 
     async def complete(self) -> dict:
         """Waits for the whole result (the row is cancelled if the client goes away)."""
@@ -367,7 +376,7 @@ class _Run:
         if finish == "error":
             raise APIError(500, f"the model failed: {ev.error}", type_="server_error")
         text = self.echo + "".join(parts)
-        logprobs = self._logprobs(lps, len(self.echo)) if self.job.logprobs is not None else None
+        logprobs = self._logprobs(self.job.tokens[:len(lps)], lps)
         choice = self._choice(text, finish, False, logprobs=logprobs, tokens=list(self.job.tokens))
         return self._obj([choice], False, self._usage())
 
@@ -387,8 +396,10 @@ class _Run:
                     yield sse({"error": {"message": f"the model failed: {ev.error}", "type": "server_error",
                                          "param": None, "code": None}})
                     break
-                if ev.text or finish or (self.ids_only and ev.tokens):
-                    yield sse(self._obj([self._choice(ev.text, finish, True, tokens=ev.tokens)], True, usage))
+                if ev.text or finish or ev.logprobs or (self.ids_only and ev.tokens):
+                    lp = self._logprobs(ev.tokens, ev.logprobs) if ev.logprobs else None
+                    yield sse(self._obj([self._choice(ev.text, finish, True, logprobs=lp, tokens=ev.tokens)],
+                                        True, usage))
             if include_usage:
                 yield sse(self._obj([], True, self._usage()))
             yield "data: [DONE]\n\n"

@@ -126,7 +126,7 @@ def _serve_once(model, tok, args, batch_size: int, reqs, concurrent: bool) -> di
 
     import torch
 
-    from ..backends import make_decoder
+    from ..decoders import make_decoder
     from .app import create_app
     from .server import ServerThread
     from .engine import Engine

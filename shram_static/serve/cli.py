@@ -22,6 +22,7 @@ def serve(args) -> int:
     from .server import import_server, make_server
 
     import_server()  # a missing extra is named before the app's imports fail on it
+    info(f"loading {args.checkpoint or 'the built-in model'} ({args.backend}) ...")  # torch takes seconds
     from .app import create_app
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         info(f"listening on {args.host}: reachable from other machines"
@@ -81,7 +82,8 @@ def add_model_args(p) -> None:
                         "a prompt shorter than 4 chunks joins one token per decode step instead, so "
                         "running streams never wait for a prefill step")
     p.add_argument("--max-queue", type=positive_int, default=64, metavar="N",
-                   help="requests that may wait for a free row; beyond, 429 with Retry-After (default 64)")
+                   help="requests that may wait while every row is busy (B + N at once are taken); beyond, "
+                        "429 with Retry-After (default 64)")
 
 
 def register(subparsers) -> None:

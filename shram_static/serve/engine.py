@@ -81,7 +81,10 @@ class Job:
         max_tokens: most new tokens (None: until the row's capacity).
         temperature: 0 is greedy; top_p, top_k: nucleus / top-k filters (None: off).
         seed: seeds this request's own sampler (None: a random seed).
-        stop: strings that end the text; logprobs: how many top logprobs per token (None: none).
+        stop: strings that end the text; logprobs: how many top logprobs per token (None: none),
+            of the model's own logits (before the bias and penalties, as vLLM returns them).
+        logit_bias, presence_penalty, frequency_penalty, repetition_penalty: adjustments of
+            each step's logits (`sampling.Sampler`), greedy or sampled.
         sink: called from the engine thread with each `Event`; must not block.
     """
 
@@ -94,6 +97,10 @@ class Job:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     cancelled: bool = False
     tokens: list[int] = field(default_factory=list)  # every sampled token (EOS included)
     t_submit: float = field(default_factory=time.perf_counter)
@@ -106,14 +113,18 @@ class Job:
 
 
 class _Row:
-    """A request in a row: how much prompt is fed, the next token to feed, its sampler."""
+    """A request in a row: how much prompt is fed, the next token to feed, its sampler and
+    the tokens it has seen (for its penalties; None without)."""
 
-    def __init__(self, job: Job, tokenizer, eos: int | None):
+    def __init__(self, job: Job, tokenizer, eos: int | None, vocab_size: int):
         self.job = job
         self.fed = 0
         self.next: int | None = None  # sampled, not yet fed
         self.text = TextStream(tokenizer, job.stop, eos)
-        self.sampler = Sampler(job.temperature, job.top_k, job.top_p)
+        self.sampler = Sampler(job.temperature, job.top_k, job.top_p, logit_bias=job.logit_bias,
+                               presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,
+                               repetition_penalty=job.repetition_penalty, vocab_size=vocab_size)
+        self.seen = self.sampler.history(torch.tensor([job.prompt]), None, vocab_size)
         # unseeded: from the OS (torch's global generator starts from the same seed every run)
         seed = job.seed if job.seed is not None else secrets.randbits(63)
         self.gen = torch.Generator().manual_seed(seed)
@@ -125,7 +136,8 @@ class Engine:
     Args:
         load: called once in the engine thread; returns (decoder, tokenizer). The decoder is a
             `HostDecoder`; its rows serve one request each.
-        max_queue: most requests waiting for a row; `submit` raises `QueueFull` beyond.
+        max_queue: most requests waiting while every row is busy; `submit` raises `QueueFull`
+            beyond (B + max_queue requests at once are all taken).
         warmup: run both step shapes once (all tokens dead: no state changes) before
             reporting ready, so a compiled decoder compiles before the first request.
         long_prompt: prompt tokens left from which a joining row is prefilled in
@@ -216,20 +228,25 @@ class Engine:
         return sum(r is not None for r in self._rows)
 
     def submit(self, job: Job) -> Job:
-        """Queues a validated request (FIFO); returns it.
+        """Queues a validated request (FIFO); returns it. It takes a free row at the engine's
+        next iteration, or waits for one while every row is busy.
 
         Raises:
             NotReady: the model is not loaded and compiled yet.
-            QueueFull: `max_queue` requests are waiting already.
+            QueueFull: every row is busy and `max_queue` requests wait for one already.
         """
         with self._cv:
             if self._stop or self._draining:
                 raise NotReady("the server is shutting down")
             if self.status != "ready":
                 raise NotReady(self.error or f"the model is {self.status}")
-            if len(self._pending) >= self.max_queue:
+            # the queued requests take the free rows first (at the engine's next iteration): only
+            # those beyond them wait, and only they count against max_queue
+            free = sum(r is None for r in self._rows)
+            if len(self._pending) >= self.max_queue + free:
                 self.metrics.observe_rejected()
-                raise QueueFull(f"the queue holds {self.max_queue} waiting requests (--max-queue)")
+                raise QueueFull(f"every row is busy and {self.max_queue} requests wait for one already "
+                                f"(--max-queue)")
             job.seq = next(self._seq)
             self._pending.append(job)
             self._cv.notify()
@@ -295,7 +312,8 @@ class Engine:
             while self._pending and None in rows:
                 job = self._pending.popleft()
                 try:
-                    row = _Row(job, self.tokenizer, self.tokenizer.eos_token_id)
+                    row = _Row(job, self.tokenizer, self.tokenizer.eos_token_id,
+                               self.decoder.config.vocab_size)
                 except Exception as e:  # this request's own settings: it alone ends
                     self._end(job, "error", error=f"{type(e).__name__}: {e}")
                     continue
@@ -366,7 +384,9 @@ class Engine:
         job = r.job
         lg = logits.float()[None]  # (1, V)
         # as HostDecoder.generate samples a batch-1 row, with this request's own generator
-        tok = int(r.sampler.sample(lg, r.gen)[0])
+        tok = int(r.sampler.sample(lg, r.gen, r.seen)[0])
+        if r.seen is not None:
+            r.seen.add(torch.tensor([tok]))
         now = time.perf_counter()
         self.metrics.observe_token(not job.tokens, now - (job.t_last if job.tokens else job.t_submit))
         job.t_last = now
@@ -374,7 +394,7 @@ class Engine:
         lp = None
         if job.logprobs is not None:
             logp = torch.log_softmax(lg[0], -1)
-            top = torch.topk(logp, job.logprobs) if job.logprobs else None
+            top = torch.topk(logp, min(job.logprobs, logp.shape[-1])) if job.logprobs else None
             lp = [(float(logp[tok]), {int(i): float(v) for v, i in zip(*top)} if top else {})]
         text = r.text.push(tok)
         n = len(job.tokens)

@@ -2,7 +2,8 @@
 object, and is counted.
 
 - `Guard` (outermost): refuses a body over the size limit (413, before it is read whole) and a
-  POST body that is not JSON (415), answers an unhandled exception with a 500 error object
+  POST body of another declared type than JSON (415), reads a POST body without a Content-Type
+  as JSON (as llama.cpp's server does), answers an unhandled exception with a 500 error object
   (logged with its traceback), and counts every response with a status >= 400 by status;
 - `BearerAuth`: /v1/* requests need `Authorization: Bearer <api_key>` (else 401).
 """
@@ -50,7 +51,12 @@ class Guard:
             await self._error(scope, receive, counted_send, self._too_large())
             return
         ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-        if scope["method"] == "POST" and ctype and ctype != b"application/json" and not ctype.endswith(b"+json"):
+        if scope["method"] == "POST" and not ctype:
+            # WHY: recent FastAPI (strict_content_type) reads a body without a Content-Type as bytes,
+            # not JSON; curl --data-binary and plain HTTP clients send none
+            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+                     + [(b"content-type", b"application/json")]}
+        elif scope["method"] == "POST" and ctype != b"application/json" and not ctype.endswith(b"+json"):
             await self._error(scope, receive, counted_send, APIError(
                 415, f"the request body must be JSON (Content-Type: application/json), got "
                      f"{ctype.decode('latin-1')!r}", type_="invalid_request_error", code="unsupported_media_type"))

@@ -1,12 +1,16 @@
 """OpenAI request bodies (pydantic) and OpenAI-style error objects.
 
-Types are strict (a string is not a number, 1 is not a bool), unknown fields are ignored as
-OpenAI-compatible servers do, and every error names the request field it is about.
+Types are strict (a string is not a number, 1 is not a bool) and every error names the request
+field it is about. Every field of OpenAI's requests is either honoured or refused: the schema
+admits only the values this server serves (`tools` only null, `best_of` only 1, ...), so a
+client never gets silently different behaviour from what it asked for; a field OpenAI does not
+define (beyond the `top_k` and `repetition_penalty` of vLLM and llama.cpp) is refused too, as
+OpenAI's own API does ("Unrecognized request argument").
 """
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 
 class APIError(Exception):
@@ -33,6 +37,28 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+# OpenAI request fields this server takes only in the values it serves: what a refused value
+# gets told (the schema below admits only the served values)
+UNSUPPORTED = {
+    "n": "one choice per request: n can only be 1 (send several requests)",
+    "best_of": "one completion per request: best_of can only be 1",
+    "suffix": "no insertion: suffix can only be empty",
+    "tools": "no function calling: tools can only be null",
+    "tool_choice": "no function calling: tool_choice can only be 'none'",
+    "functions": "no function calling: functions can only be null",
+    "function_call": "no function calling: function_call can only be 'none'",
+    "response_format": "no JSON mode or JSON schema: response_format can only be {'type': 'text'}",
+    "audio": "text output only: audio can only be null",
+    "modalities": "text output only: modalities can only be ['text']",
+    "prediction": "no predicted outputs: prediction can only be null",
+    "web_search_options": "no web search: web_search_options can only be null",
+    "reasoning_effort": "this model does not reason: reasoning_effort can only be null",
+    "verbosity": "no verbosity setting: verbosity can only be null",
+    "store": "no stored completions: store can only be false",
+    "service_tier": "one service tier: service_tier can only be 'auto' or 'default'",
+}
+
+
 def validation_error(errors: list[dict]) -> APIError:
     """A 400 `APIError` for pydantic / FastAPI validation errors (the first one is reported).
 
@@ -46,6 +72,12 @@ def validation_error(errors: list[dict]) -> APIError:
         return APIError(400, f"the request body must be a JSON object: {e['msg']}")
     param = str(loc[0])
     where = ".".join(str(p) for p in loc if not (isinstance(p, str) and "[" in p))  # no union tags
+    if param in UNSUPPORTED:
+        return APIError(400, f"'{param}' is not supported with this value ({UNSUPPORTED[param]})", param,
+                        code="unsupported_parameter")
+    if e.get("type") == "extra_forbidden":
+        return APIError(400, f"unrecognized request field '{where}': this server does not support it",
+                        param, code="unknown_parameter")
     if e.get("type") == "missing":
         return APIError(400, f"'{where}' is required", param)
     if len(errors) > 1 and all(str(x.get("loc", ("", ""))[1:2]) == str(e["loc"][1:2]) for x in errors):
@@ -69,11 +101,15 @@ Text = Annotated[str, AfterValidator(_unicode)]  # a str that is valid Unicode
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+
+
+TokenId = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")]  # a token id, as JSON keys are
+Bias = Annotated[float, Field(ge=-100, le=100)]
 
 
 class _Sampling(_Strict):
@@ -89,6 +125,13 @@ class _Sampling(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=1)
+    # OpenAI's adjustments of each step's logits (sampling.Sampler), and the repetition
+    # penalty of vLLM and llama.cpp
+    logit_bias: dict[TokenId, Bias] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=1e6)
+    user: Text | None = None  # an end-user id: accepted, it changes nothing
 
     def stops(self) -> list[str]:
         s = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -101,6 +144,12 @@ class CompletionRequest(_Sampling):
     prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool | None = None
     logprobs: int | None = Field(None, ge=0, le=5)
+    best_of: int | None = Field(None, ge=1, le=1)
+    suffix: Annotated[str, Field(max_length=0)] | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
 
 
 class ChatMessage(_Strict):
@@ -114,4 +163,24 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None  # not supported: true gets a 400 (never silently ignored)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    # refused unless absent or a value that asks for nothing this server lacks (UNSUPPORTED)
+    tools: None = None
+    tool_choice: Literal["none"] | None = None
+    functions: None = None
+    function_call: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = None  # no tools: nothing to call in parallel either way
+    response_format: ResponseFormat | None = None
+    audio: None = None
+    modalities: list[Literal["text"]] | None = None
+    prediction: None = None
+    web_search_options: None = None
+    reasoning_effort: None = None
+    verbosity: None = None
+    store: Literal[False] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    # labels and ids: accepted, they change nothing
+    metadata: dict[Text, Text] | None = None
+    safety_identifier: Text | None = None
+    prompt_cache_key: Text | None = None

@@ -1,0 +1,53 @@
+"""The `logprobs` objects of OpenAI's responses, from the engine's per-token logprobs.
+
+The engine reports, for each generated token, its log-probability and those of the most likely
+tokens under the model's own logits (log-softmax of the step's logits before `logit_bias`, the
+penalties and the temperature: vLLM's default, "raw" logprobs). A token's text is its decoded
+text alone, and its `bytes` that text's UTF-8 (as vLLM writes them); a token that is part of a
+multi-byte character decodes to U+FFFD.
+"""
+
+__all__ = ["chat_logprobs", "completion_logprobs"]
+
+
+def completion_logprobs(tokenizer, tokens: list[int], lps: list, offset: int) -> tuple[dict, int]:
+    """Completions' `logprobs` object of some generated tokens.
+
+    Args:
+        tokenizer: has `decode(list[int]) -> str`.
+        tokens: the generated token ids.
+        lps: per token, (its logprob, {token id: logprob} of the top tokens).
+        offset: the text offset of the first token (the length of the text before it).
+
+    Returns:
+        ({"tokens", "token_logprobs", "top_logprobs", "text_offset"}, the offset after them);
+        each `top_logprobs` entry holds the sampled token too (up to logprobs + 1 entries, as
+        OpenAI's legacy completions).
+    """
+    texts = [tokenizer.decode([i]) for i in tokens]
+    offsets = []
+    for t in texts:
+        offsets.append(offset)
+        offset += len(t)
+    # as OpenAI: the top tokens, and the sampled one too when it is not among them; tokens of
+    # the same text (parts of characters: U+FFFD) keep the largest logprob
+    tops = []
+    for text, (c, top) in zip(texts, lps):
+        tops.append({})
+        for i, v in top.items():  # largest first
+            tops[-1].setdefault(tokenizer.decode([i]), v)
+        tops[-1].setdefault(text, c)
+    return {"tokens": texts, "token_logprobs": [c for c, _ in lps], "top_logprobs": tops,
+            "text_offset": offsets}, offset
+
+
+def chat_logprobs(tokenizer, tokens: list[int], lps: list) -> dict:
+    """Chat completions' `logprobs` object ({"content": [...], "refusal": None}) of some
+    generated tokens (arguments as `completion_logprobs`)."""
+
+    def entry(i: int, lp: float) -> dict:
+        text = tokenizer.decode([i])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(i, c), "top_logprobs": [entry(j, v) for j, v in top.items()]}
+                        for i, (c, top) in zip(tokens, lps)], "refusal": None}
