@@ -151,23 +151,61 @@ def test_node_seeded_sampling(site, python_greedy, tmp_path):
     opts = {"maxNewTokens": 20, "temperature": 0.9, "topK": 40, "topP": 0.9}
     jobs = [{"prompt": "ROMEO:", "options": {**opts, "seed": 7}}, {"prompt": "ROMEO:", "options": {**opts, "seed": 7}},
             {"prompt": "ROMEO:", "options": {**opts, "seed": 8}},
-            {"prompt": PROMPTS[0], "options": {"maxNewTokens": N_NEW, "temperature": 1.3, "topK": 1, "seed": 3}}]
-    a, b, c, k1 = generate_in_node(site, tmp_path, "node", jobs)
+            {"prompt": PROMPTS[0], "options": {"maxNewTokens": N_NEW, "temperature": 1.3, "topK": 1, "seed": 3}},
+            {"prompt": PROMPTS[0], "options": {"maxNewTokens": N_NEW, "temperature": 1e-308, "seed": 3}}]
+    a, b, c, k1, tiny = generate_in_node(site, tmp_path, "node", jobs)
     assert a["ids"] == b["ids"] and len(a["ids"]) == 20
     assert a["ids"] != c["ids"]
     assert k1["ids"] == python_greedy[0]  # top-k 1 leaves the argmax alone
+    assert tiny["ids"] == python_greedy[0]  # as Python's sampler: greedy, not NaN probabilities
 
 
 def test_node_bad_inputs(site, tmp_path):
     jobs = [("", {}), ("x" * 1000, {"maxNewTokens": 100}), ("ROMEO:", {"maxNewTokens": 0}),
-            ("ROMEO:", {"temperature": -1}), ("ROMEO:", {"topP": 0}), ([300], {})]
+            ("ROMEO:", {"temperature": -1}), ("ROMEO:", {"topP": 0}), ([300], {}), ("a\ud800b", {}),
+            ("ROMEO:", {"max_new_tokens": 4}), ("ROMEO:", {"temperature": "0.5"})]
     res = generate_in_node(site, tmp_path, "node", [{"prompt": p, "options": o} for p, o in jobs])
     want = ["prompt is empty", "exceeds the model's capacity of 1024 tokens", "maxNewTokens must be a positive",
-            "temperature must be >= 0", "topP must be in (0, 1]", "outside the vocabulary [0, 259)"]
+            "temperature must be a finite number >= 0", "topP must be in (0, 1]", "outside the vocabulary [0, 259)",
+            "lone surrogate U+D800 at position 1", "unknown option max_new_tokens", "temperature must be a number"]
+    with pytest.raises(UnicodeEncodeError, match="surrogates not allowed"):  # what Python says to the same prompt
+        ByteTokenizer().encode("a\ud800b")
     for w, r in zip(want, res):
         assert w in r.get("error", ""), r
     ok = generate_in_node(site, tmp_path, "node", [{"prompt": "x" * 1000, "options": {"maxNewTokens": 24}}])[0]
     assert len(ok["ids"]) == 24  # 1001 + 24 - 1 tokens fit exactly
+
+
+def run_generate_mjs(*args, timeout=120):
+    return subprocess.run(["node", str(ROOT / "web" / "generate.mjs"), *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_generate_mjs_checks_arguments_first(site, tmp_path):
+    """web/generate.mjs: each bad argument is one stderr line naming it, exit 2, nothing echoed
+    and nothing loaded; a site missing a file names the file."""
+    partial = tmp_path / "partial"
+    shutil.copytree(site, partial, ignore=shutil.ignore_patterns("model.onnx.data"))
+    bad = [((site, "ROMEO:", "--max-new-tokens", "abc"), "--max-new-tokens must be a positive integer"),
+           ((site, "ROMEO:", "--max-new-tokens", "0"), "--max-new-tokens must be a positive integer"),
+           ((site, "ROMEO:", "--temperature", "-1"), "--temperature must be a finite number >= 0"),
+           ((site, "ROMEO:", "--top-p", "0"), "--top-p must be a number in (0, 1]"),
+           ((site, "ROMEO:", "--seed", "1.5"), "--seed must be an integer"),
+           ((site, "ROMEO:", "--bogus", "1"), "Unknown option '--bogus'"),
+           ((site,), "expected SITE_DIR and a prompt"),
+           ((site, ""), "the prompt is empty"),
+           ((site, "x" * 1020, "--max-new-tokens", "8"), "exceeds the model's capacity of 1024"),
+           ((tmp_path / "nowhere", "ROMEO:"), "is not a directory"),
+           ((tmp_path, "ROMEO:"), "has no shram.json"),
+           ((partial, "ROMEO:"), "is missing model.onnx.data")]
+    for args, want in bad:
+        r = run_generate_mjs(*args)
+        assert (r.returncode, r.stdout) == (2, ""), (args, r.stdout, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and want in lines[0], (args, r.stderr)
+    ok = run_generate_mjs(site, "ROMEO:", "--max-new-tokens", "8", "--temperature", "1e-308", "--seed", "1")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("ROMEO:") and "8 tokens" in ok.stderr
 
 
 @pytest.mark.parametrize("pre", ["byte_level", "prefix_space", "split_then_byte_level"])
@@ -213,6 +251,58 @@ def test_missing_runtime_is_a_clear_error(tmp_path, monkeypatch, capsys):
     assert cli_main(["export", "--format", "web", "--out", str(tmp_path / "site")]) == 2
     assert "npm ci" in capsys.readouterr().err
     assert not (tmp_path / "site").exists()  # said before exporting anything
+
+
+def test_js_property_tests():
+    """tests/web/*.test.mjs: fast-check properties of the module's sampler and tokenizers."""
+    need_node()
+    need((ROOT / "node_modules" / "fast-check").is_dir(), "node_modules lacks fast-check: run npm ci")
+    r = subprocess.run(["node", "--test", str(ROOT / "tests" / "web")], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "# fail 0" in r.stdout
+
+
+def mulberry32(seed: int):
+    """The page's seed rule (shram.mjs `seededRandom`), written here from its definition: 32-bit
+    unsigned arithmetic, uniform floats in [0, 1)."""
+    m = 0xFFFFFFFF
+    a = seed & m
+    while True:
+        a = (a + 0x6D2B79F5) & m
+        t = ((a ^ (a >> 15)) * (a | 1)) & m
+        t ^= (t + (((t ^ (t >> 7)) * (t | 61)) & m)) & m
+        yield ((t ^ (t >> 14)) & m) / 2 ** 32
+
+
+def test_js_sampler_matches_python(tmp_path):
+    """The module's sampler against `sampling.Sampler` on the same float32 logits: the same
+    distribution (float64) at every temperature, tiny ones included, with top-k and top-p; and
+    the same tokens as Python drawing by inverse CDF from its own distribution with the page's
+    seed rule."""
+    need(shutil.which("node") is not None, "node is not installed")
+    import numpy as np
+
+    from shram_static.sampling import Sampler
+    g = torch.Generator().manual_seed(0)
+    cases = []
+    for i, (t, k, p) in enumerate([(1.0, 0, 1.0), (0.7, 40, 0.95), (1.3, 0, 0.9), (0.05, 5, 1.0), (1e-308, 0, 1.0),
+                                   (5e-324, 40, 0.95), (1e-300, 0, 0.5), (3.0, 1, 1.0), (1e-3, 0, 1.0)]):
+        logits = (torch.randn(259, generator=g) * (2 + i)).float()
+        cases.append({"logits": logits.tolist(), "settings": {"temperature": t, "topK": k, "topP": p},
+                      "seed": 1000 + i, "n": 50})
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    got = run_node("sample", ROOT / "shram_static" / "web" / "shram.mjs", tmp_path / "cases.json")
+    for c, r in zip(cases, got):
+        s = c["settings"]
+        want = Sampler(s["temperature"], s["topK"] or None, s["topP"]).probs(torch.tensor(c["logits"]))
+        np.testing.assert_allclose(r["probs"], want.numpy(), rtol=1e-9, atol=1e-15, err_msg=str(s))
+        cdf = np.cumsum(want.numpy())
+        u = mulberry32(c["seed"])
+        assert r["ids"] == [int(min(np.searchsorted(cdf, next(u), side="right"), len(cdf) - 1))
+                            for _ in range(c["n"])], s
+        if s["temperature"] < 1e-200:  # tiny temperatures are greedy, as in Python
+            assert set(r["ids"]) == {int(torch.tensor(c["logits"]).argmax())}
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):

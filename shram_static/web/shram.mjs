@@ -150,6 +150,7 @@ export class Tokenizer {
   /** Token ids of `text`, after BOS when `addBos` and the tokenizer has one. */
   encode(text, addBos = true) {
     if (typeof text !== "string") throw new TypeError(`text must be a string, got ${typeof text}`);
+    checkWellFormed(text);
     const ids = addBos && this.bosTokenId !== null ? [this.bosTokenId] : [];
     if (this.type === "bytes") {
       for (const b of new TextEncoder().encode(text)) ids.push(b);
@@ -221,6 +222,23 @@ export class Tokenizer {
   }
 }
 
+// a high surrogate not followed by a low one, or a low one not after a high one
+const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/;
+
+/**
+ * Throws unless `text` is well-formed Unicode: a lone surrogate (which JSON and JavaScript
+ * strings can hold) has no UTF-8 bytes, so Python refuses it, and TextEncoder would silently
+ * turn it into U+FFFD.
+ */
+export function checkWellFormed(text) {
+  const m = LONE_SURROGATE.exec(text);
+  if (!m) return;
+  const at = Array.from(text.slice(0, m.index)).length;  // in code points, as Python counts
+  const hex = m[0].charCodeAt(0).toString(16).toUpperCase();
+  throw new RangeError(`the text is not valid Unicode: it holds a lone surrogate U+${hex} at position ${at} ` +
+    "(surrogates not allowed; UTF-8 cannot encode it)");
+}
+
 /** `text` split by `re` (global) with each match kept as a piece of its own. */
 function isolate(text, re) {
   const out = [];
@@ -256,25 +274,29 @@ export function argmax(x) {
 }
 
 /**
- * One token drawn from `logits` after transformers' warpers in their order (temperature,
- * top-k keeping every value tied with the k-th, top-p keeping the smallest set whose
- * probability reaches p, at least one token), with `random()` uniform in [0, 1).
+ * The sampling distribution of `logits` (float64, sums to 1) after transformers' warpers in
+ * their order, as `shram_static/sampling.py` computes it: the row's maximum subtracted first (so
+ * the top logit is exactly 0 and no temperature > 0 overflows: a tiny temperature leaves the
+ * maxima alone), then the temperature, top-k keeping every value tied with the k-th, top-p
+ * keeping the smallest set whose probability reaches p (at least one token), softmax.
  */
-export function sample(logits, { temperature = 1, topK = 0, topP = 1 }, random) {
+export function probs(logits, { temperature = 1, topK = 0, topP = 1 } = {}) {
   const V = logits.length;
+  let m = -Infinity;
+  for (let i = 0; i < V; i++) if (logits[i] > m) m = logits[i];
   const x = new Float64Array(V);
-  for (let i = 0; i < V; i++) x[i] = logits[i] / temperature;
-  let order = null;  // indices by descending logit, when a filter needs them
-  if ((topK > 0 && topK < V) || topP < 1) order = Array.from(x.keys()).sort((a, b) => x[b] - x[a]);
+  for (let i = 0; i < V; i++) x[i] = temperature === 1 ? logits[i] - m : (logits[i] - m) / temperature;
+  // indices by descending logit (a huge temperature can round distinct values to ties: the
+  // logits still order them), when a filter needs them
+  let order = null;
+  if ((topK > 0 && topK < V) || topP < 1) order = Array.from(x.keys()).sort((a, b) => (logits[b] - logits[a]) || (a - b));
   if (topK > 0 && topK < V) {
     const kth = x[order[topK - 1]];
     for (let i = 0; i < V; i++) if (x[i] < kth) x[i] = -Infinity;
   }
-  let m = -Infinity;
-  for (let i = 0; i < V; i++) if (x[i] > m) m = x[i];
   let z = 0;
   const p = new Float64Array(V);
-  for (let i = 0; i < V; i++) { p[i] = Math.exp(x[i] - m); z += p[i]; }
+  for (let i = 0; i < V; i++) { p[i] = Math.exp(x[i]); z += p[i]; }  // max 0: exp(0) = 1, z >= 1
   for (let i = 0; i < V; i++) p[i] /= z;
   if (topP < 1) {
     // transformers: drop the tokens whose ascending cumulative probability is <= 1 - p
@@ -287,14 +309,59 @@ export function sample(logits, { temperature = 1, topK = 0, topP = 1 }, random) 
     z = p.reduce((a, b) => a + b, 0);
     for (let i = 0; i < V; i++) p[i] /= z;
   }
+  return p;
+}
+
+/**
+ * One token drawn from `probs(logits, settings)` with `random()` uniform in [0, 1): the first
+ * index whose cumulative probability exceeds the draw.
+ */
+export function sample(logits, settings, random) {
+  const p = probs(logits, settings);
   let u = random(), last = 0;
-  for (let i = 0; i < V; i++) {
+  for (let i = 0; i < p.length; i++) {
     if (p[i] > 0) { last = i; u -= p[i]; if (u < 0) return i; }
   }
   return last;  // rounding left u >= 0: the last token with probability
 }
 
 // -- the model ------------------------------------------------------------------------------
+
+const GENERATE_OPTIONS = ["maxNewTokens", "temperature", "topK", "topP", "seed", "onToken", "signal", "eosTokenId"];
+
+/**
+ * `generate`'s options, checked as Python's `HostDecoder.generate` and `Sampler` check theirs:
+ * an unknown name, a wrong type or a value out of range throws (TypeError / RangeError) naming it.
+ */
+export function checkOptions(options, vocabSize) {
+  if (options === null || typeof options !== "object") throw new TypeError(`options must be an object, got ${options}`);
+  const unknown = Object.keys(options).filter((k) => !GENERATE_OPTIONS.includes(k));
+  if (unknown.length) throw new TypeError(`unknown option ${unknown.join(", ")} (known: ${GENERATE_OPTIONS.join(", ")})`);
+  const { maxNewTokens = 64, temperature = 0, topK = 0, topP = 1, seed, onToken, signal, eosTokenId } = options;
+  const num = (name, v) => {
+    if (typeof v !== "number") throw new TypeError(`${name} must be a number, got ${typeof v} ${JSON.stringify(v)}`);
+  };
+  num("maxNewTokens", maxNewTokens);
+  if (!Number.isInteger(maxNewTokens) || maxNewTokens < 1) {
+    throw new RangeError(`maxNewTokens must be a positive integer, got ${maxNewTokens}`);
+  }
+  num("temperature", temperature);
+  if (!(temperature >= 0) || !Number.isFinite(temperature)) {
+    throw new RangeError(`temperature must be a finite number >= 0, got ${temperature}`);
+  }
+  num("topK", topK);
+  if (!Number.isInteger(topK) || topK < 0) throw new RangeError(`topK must be an integer >= 0, got ${topK}`);
+  num("topP", topP);
+  if (!(topP > 0 && topP <= 1)) throw new RangeError(`topP must be in (0, 1], got ${topP}`);
+  if (seed !== undefined && !Number.isSafeInteger(seed)) throw new TypeError(`seed must be an integer, got ${seed}`);
+  if (onToken !== undefined && typeof onToken !== "function") throw new TypeError("onToken must be a function");
+  if (signal !== undefined && typeof signal?.aborted !== "boolean") throw new TypeError("signal must be an AbortSignal");
+  if (eosTokenId !== undefined && eosTokenId !== null &&
+      !(Number.isInteger(eosTokenId) && eosTokenId >= 0 && eosTokenId < vocabSize)) {
+    throw new RangeError(`eosTokenId must be null or a token id in [0, ${vocabSize}), got ${eosTokenId}`);
+  }
+  return options;
+}
 
 /** A SHRAM model's graphs, state and tokenizer; `generate` runs it. Build with `load`. */
 export class ShramModel {
@@ -431,17 +498,11 @@ export class ShramModel {
    * @returns {Promise<{ids: number[], text: string, promptTokens: number, ttftMs: number,
    *   decodeTokensPerSecond: number, stopped: string}>} `stopped`: "eos", "length" or "abort".
    */
-  async generate(prompt, { maxNewTokens = 64, temperature = 0, topK = 0, topP = 1, seed, onToken, signal,
-                           eosTokenId = this.manifest.eos_token_id } = {}) {
+  async generate(prompt, options = {}) {
+    const { maxNewTokens = 64, temperature = 0, topK = 0, topP = 1, seed, onToken, signal,
+            eosTokenId = this.manifest.eos_token_id } = checkOptions(options, this.vocabSize);
     const t0 = performance.now();
     const ids = this.#promptIds(prompt);
-    if (!Number.isInteger(maxNewTokens) || maxNewTokens < 1) {
-      throw new RangeError(`maxNewTokens must be a positive integer, got ${maxNewTokens}`);
-    }
-    if (!(temperature >= 0) || !Number.isFinite(temperature)) throw new RangeError(`temperature must be >= 0, got ${temperature}`);
-    if (!Number.isInteger(topK) || topK < 0) throw new RangeError(`topK must be an integer >= 0, got ${topK}`);
-    if (!(topP > 0 && topP <= 1)) throw new RangeError(`topP must be in (0, 1], got ${topP}`);
-    if (seed !== undefined && !Number.isInteger(seed)) throw new TypeError(`seed must be an integer, got ${seed}`);
     // the last new token is returned, not fed back: prompt + maxNewTokens - 1 tokens are held
     if (ids.length + maxNewTokens - 1 > this.capacity) {
       throw new RangeError(`the prompt (${ids.length} tokens with BOS) plus maxNewTokens (${maxNewTokens}) - 1 ` +
