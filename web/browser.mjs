@@ -2,7 +2,8 @@
 // JSON. Used by the tests and benchmarks/web_speed.py.
 //
 //   node web/browser.mjs URL JOBS.json [--screenshot PNG] [--ui UI.json]
-//     JOBS: [{prompt, options}] run through window.shram.generate -> results (or {error})
+//     JOBS: [{prompt, options, url?}] run through window.shram.generate -> results (or {error});
+//       a job with a url runs in that page (opened once) instead of URL's
 //     UI: {prompt, maxNewTokens, temperature, topK, topP, seed}: typed into the page's form,
 //         Generate clicked, the streamed text read back (and shot into PNG)
 //   node web/browser.mjs --stdin
@@ -44,12 +45,28 @@ async function openPage(url, logs) {
   page.on("console", (m) => logs.push(`${m.type()}: ${m.text()}`));
   page.on("pageerror", (e) => logs.push(`pageerror: ${e.message}`));
   await page.goto(url);
-  const info = await page.evaluate(async () => {
+  // a first visit reloads once (coi-serviceworker making the page cross-origin isolated)
+  let info;
+  for (let tries = 0; ; tries++) {
+    try {
+      info = await readyInfo(page);
+      break;
+    } catch (e) {
+      if (tries >= 2 || !/context was destroyed|navigat/i.test(String(e?.message))) throw e;
+      await page.waitForLoadState("load");
+    }
+  }
+  return { page, info: { ...info, browser: browser.version() } };
+}
+
+function readyInfo(page) {
+  return page.evaluate(async () => {
     const m = await window.shram.ready;
     return { crossOriginIsolated: globalThis.crossOriginIsolated, userAgent: navigator.userAgent,
-             threads: m.threads, manifest: m.manifest };
+             threads: m.threads, manifest: m.manifest, executionProvider: m.executionProvider, loadMs: m.loadMs,
+             warmUp: m.warmUpResult, about: document.getElementById("about").textContent,
+             load: document.getElementById("load").innerText };
   });
-  return { page, info: { ...info, browser: browser.version() } };
 }
 
 if (o.stdin) {
@@ -75,7 +92,12 @@ try {
   const opened = await openPage(url, result.logs);
   const page = opened.page;
   result.info = opened.info;
-  for (const job of jobs) result.jobs.push(await runJob(page, job));
+  const others = new Map();
+  for (const job of jobs) {
+    if (job.url && !others.has(job.url)) others.set(job.url, await openPage(job.url, result.logs));
+    const o = job.url ? others.get(job.url) : opened;
+    result.jobs.push({ ...(await runJob(o.page, job)), info: job.url ? o.info : undefined });
+  }
   if (o.ui) {
     const ui = JSON.parse(readFileSync(o.ui, "utf8"));
     await page.fill("#prompt", ui.prompt);

@@ -8,9 +8,9 @@ import time
 from ..console import info
 
 FORMATS = ("pte", "onnx", "web")
-# the --quantize modes of each format: the .pte's from torchao, the .onnx's from onnxruntime
-# (the web site runs the fp32 .onnx)
-QUANTIZE = {"pte": ("int8", "8da4w"), "onnx": ("int8", "int4"), "web": ()}
+# the --quantize modes of each format: the .pte's from torchao, the .onnx's (and the web
+# site's) from onnxruntime
+QUANTIZE = {"pte": ("int8", "8da4w"), "onnx": ("int8", "int4"), "web": ("int8", "int4")}
 
 
 def export_main(args) -> int:
@@ -33,7 +33,7 @@ def export_main(args) -> int:
             formats.remove("onnx")  # the site holds the same fp32 model.onnx: written once
     if args.quantize and not any(args.quantize in QUANTIZE[f] for f in formats):
         raise ValueError(f"--quantize {args.quantize} applies to none of {formats} "
-                         f"(pte takes {', '.join(QUANTIZE['pte'])}; onnx takes {', '.join(QUANTIZE['onnx'])})")
+                         f"(pte takes {', '.join(QUANTIZE['pte'])}; onnx and web take {', '.join(QUANTIZE['onnx'])})")
     model, tok = load_model_and_tokenizer(args.checkpoint)
     os.makedirs(args.out, exist_ok=True)
     # The stock ExecuTorch runner reads a tokenizer.json: ship the checkpoint's own, else ours.
@@ -57,7 +57,7 @@ def export_main(args) -> int:
              f"lowering can take minutes ...")
         if fmt == "web":
             paths = export_web(model, tok, args.out, None if args.decode_only else args.prefill_chunk,
-                               parallel=args.parallel, full_logits=args.full_logits)
+                               parallel=args.parallel, full_logits=args.full_logits, quantize=quantize)
             path = paths["index"]
         elif fmt == "pte":
             suffix = f".{quantize}" if quantize else ""
@@ -96,7 +96,7 @@ def register(subparsers) -> None:
     p.add_argument("--quantize", choices=["int8", "8da4w", "int4"], default=None,
                    help="int8: int8 weights (.pte: per channel, int8 activations; .onnx: weight-only, "
                         "blocks of 32); 8da4w (.pte): int4 weights in groups of 32, int8 activations; "
-                        "int4 (.onnx): weight-only int4 in blocks of 32")
+                        "int4 (.onnx, web): weight-only int4 in blocks of 32 (web: the token embedding too)")
     p.add_argument("--quantize-embedding", action="store_true",
                    help="with --quantize, store the embedding as int8 rows too: a quarter of its bytes, "
                         "same speed, more logit drift")

@@ -18,24 +18,47 @@ const ARRAYS = { float32: Float32Array, int64: BigInt64Array, int32: Int32Array,
 
 const inNode = typeof process !== "undefined" && !!process.versions?.node;
 
-/** Bytes of `name` under `base`: fetched (a URL) or read from disk (a directory, Node). */
-async function readBytes(base, name) {
+/**
+ * Bytes of `name` under `base`: fetched (a URL) or read from disk (a directory, Node).
+ * `onProgress({file, loaded, total})` hears of each chunk as it arrives (total: the
+ * Content-Length, else `expected`, else 0 for unknown).
+ */
+async function readBytes(base, name, onProgress = null, expected = 0) {
   if (inNode && !/^(https?|blob|data):/.test(String(base))) {
     const { readFile } = await import("node:fs/promises");
     const { join } = await import("node:path");
     const { fileURLToPath } = await import("node:url");
     const dir = String(base).startsWith("file:") ? fileURLToPath(base) : String(base);
+    let bytes;
     try {
-      return new Uint8Array(await readFile(join(dir, name)));
+      bytes = new Uint8Array(await readFile(join(dir, name)));
     } catch (e) {
       throw new Error(`cannot read ${join(dir, name)}: ${e.message} (is ${dir} a site written by ` +
         "`shram-static export --format web`?)");
     }
+    onProgress?.({ file: name, loaded: bytes.length, total: bytes.length });
+    return bytes;
   }
   const url = new URL(name, new URL(String(base), globalThis.location?.href ?? undefined));
   const r = await fetch(url);
   if (!r.ok) throw new Error(`cannot fetch ${url}: HTTP ${r.status} (is the site served as exported?)`);
-  return new Uint8Array(await r.arrayBuffer());
+  const total = Number(r.headers.get("Content-Length")) || expected || 0;
+  if (!onProgress || !r.body) return new Uint8Array(await r.arrayBuffer());
+  const chunks = [], reader = r.body.getReader();
+  let loaded = 0;
+  onProgress({ file: name, loaded, total });
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    chunks.push(value);
+    loaded += value.length;
+    onProgress({ file: name, loaded, total: Math.max(total, loaded) });
+  }
+  if (chunks.length === 1) return chunks[0];
+  const out = new Uint8Array(loaded);
+  let at = 0;
+  for (const c of chunks) { out.set(c, at); at += c.length; }
+  return out;
 }
 
 /** Lets the event loop run (a page repaints, a Stop click lands) without setTimeout's 4 ms clamp. */
@@ -371,12 +394,14 @@ export class ShramModel {
    * @param {object} ort the onnxruntime module: onnxruntime-web (browser, or Node) or onnxruntime-node.
    * @param {string|URL} base the site: a URL (browser) or a directory (Node).
    * @param {object} [options]
-   * @param {number} [options.threads] intra-op threads (default: onnxruntime-web uses one unless
-   *   the page is cross-origin isolated; onnxruntime-node its own choice).
+   * @param {number} [options.threads] intra-op threads (default: onnxruntime-web uses the cores,
+   *   up to 4, on a cross-origin isolated page and one thread otherwise; onnxruntime-node its own choice).
+   * @param {string[]} [options.executionProviders] onnxruntime-web's providers (default ["wasm"]).
+   * @param {function} [options.onProgress] called with {file, loaded, total} as each file arrives.
    * @param {object} [options.sessionOptions] more onnxruntime session options.
    * @returns {Promise<ShramModel>}
    */
-  static async load(ort, base, { threads, sessionOptions = {} } = {}) {
+  static async load(ort, base, { threads, executionProviders = ["wasm"], onProgress = null, sessionOptions = {} } = {}) {
     if (!ort?.InferenceSession) throw new TypeError("ShramModel.load needs the onnxruntime module as its first argument");
     const manifest = JSON.parse(new TextDecoder().decode(await readBytes(base, MANIFEST)));
     if (manifest.format !== MANIFEST_FORMAT) {
@@ -387,38 +412,54 @@ export class ShramModel {
       ? JSON.parse(new TextDecoder().decode(await readBytes(base, tinfo.file))) : null;
     const tokenizer = new Tokenizer({ ...tinfo, vocab_size: manifest.vocab_size }, spec);
     const web = !!ort.env?.versions?.web;
-    let used = threads ?? null;
     const opts = { graphOptimizationLevel: "all", ...sessionOptions };
-    const files = manifest.files;
-    let model;
+    const files = manifest.files, sizes = manifest.bytes ?? {};
+    // the graphs that return the rows each step writes (export_web's row_writes_graph), where the
+    // site has them: onnxruntime-web copies every output out of its heap, and under Node too the
+    // few written rows cost less than binding the whole state in place (docs/web.md)
+    const rowWrites = !!files.decode_rows;
+    const decodeFile = rowWrites ? files.decode_rows : files.decode;
+    const prefillFile = rowWrites ? files.prefill_rows : files.prefill;
+    const roles = { decode: decodeFile, prefill: prefillFile };
+    const role = (f) => Object.keys(files).find((k) => files[k] === f);
+    let used = threads ?? null, sessions;
     if (web) {
-      // onnxruntime-web reads no file beside the graph by itself: hand it the weights, read once
-      // for both graphs
       if (threads) ort.env.wasm.numThreads = threads;
       else if (!globalThis.crossOriginIsolated) ort.env.wasm.numThreads = 1;  // threads need isolation
+      else ort.env.wasm.numThreads = Math.min(4, globalThis.navigator?.hardwareConcurrency || 1);
       used = ort.env.wasm.numThreads;
-      const data = await readBytes(base, files.data);
-      const graph = async (f) => ort.InferenceSession.create(await readBytes(base, f), {
-        executionProviders: ["wasm"], externalData: [{ path: files.data, data }], ...opts });
-      // the graphs that return the rows each step writes (export_web's row_writes_graph), where
-      // the site has them: onnxruntime-web copies every output out of its heap
-      const decode = files.decode_rows ?? files.decode, prefill = files.prefill_rows ?? files.prefill;
-      model = new ShramModel(ort, manifest, tokenizer, await graph(decode), prefill ? await graph(prefill) : null);
-      model.rowWrites = !!files.decode_rows;
+      // onnxruntime-web reads no file beside the graph by itself: hand it the weights, read once
+      // for both graphs; every file downloads at once
+      const wanted = [files.data, decodeFile, prefillFile].filter(Boolean);
+      const bytes = await Promise.all(wanted.map((f) => readBytes(base, f, onProgress, sizes[role(f)])));
+      const got = Object.fromEntries(wanted.map((f, i) => [f, bytes[i]]));
+      sessions = {};
+      for (const [r, f] of Object.entries(roles)) {
+        if (!f) continue;
+        sessions[r] = await ort.InferenceSession.create(got[f], {
+          executionProviders, externalData: [{ path: files.data, data: got[files.data] }], ...opts });
+      }
     } else {
       // onnxruntime-node finds the weights file beside the graph
       if (threads) opts.intraOpNumThreads = threads;
-      const graph = (f) => ort.InferenceSession.create(pathOf(base, f), opts);
-      model = new ShramModel(ort, manifest, tokenizer, await graph(files.decode),
-        files.prefill ? await graph(files.prefill) : null);
+      sessions = {};
+      for (const [r, f] of Object.entries(roles)) {
+        if (!f) continue;
+        sessions[r] = await ort.InferenceSession.create(pathOf(base, f), opts);
+        onProgress?.({ file: f, loaded: sizes[role(f)] ?? 0, total: sizes[role(f)] ?? 0 });
+      }
     }
+    const model = new ShramModel(ort, manifest, tokenizer, sessions.decode, sessions.prefill ?? null);
+    model.rowWrites = rowWrites;
+    model.inplace = !web && !rowWrites;
     model.threads = used;
+    model.executionProvider = web ? executionProviders[0] : "cpu";
+    model.files = Object.values(roles).filter(Boolean).concat(files.data);
     return model;
   }
 
   constructor(ort, manifest, tokenizer, decode, prefill) {
     this.ort = ort;
-    this.inplace = !ort.env?.versions?.web;  // onnxruntime-node (see #step)
     this.manifest = manifest;
     this.tokenizer = tokenizer;
     this.decodeSession = decode;
@@ -426,8 +467,37 @@ export class ShramModel {
     this.capacity = manifest.capacity;
     this.prefillChunk = prefill ? manifest.prefill_chunk : 1;
     this.vocabSize = manifest.vocab_size;
+    this.quantize = manifest.quantize ?? null;
     this.busy = false;
-    this.rowWrites = false;  // set by load for onnxruntime-web (see #step)
+    this.rowWrites = false;  // set by load (see #step)
+    this.inplace = false;
+  }
+
+  /**
+   * Generates from a dummy prompt (prefill and decode) until the decode speed stops rising, or
+   * for at most `maxMs`. WHY: V8 compiles WebAssembly with its baseline compiler first and
+   * optimizes hot functions as they run, so a page's first few hundred tokens run several
+   * times slower; a page calls this while it loads, so a user's first generation runs at full speed.
+   *
+   * @param {object} [opts]
+   * @param {number} [opts.maxMs=10000] the most it may take.
+   * @param {function} [opts.onProgress] called with {round, tokens, tokensPerSecond, ms} after each round.
+   * @returns {Promise<{rounds: number, tokens: number, ms: number, tokensPerSecond: number}>}
+   */
+  async warmUp({ maxMs = 10000, onProgress } = {}) {
+    const t0 = performance.now(), prompt = new Array(this.prefillChunk + 1).fill(0);
+    const n = Math.max(1, Math.min(128, this.capacity - prompt.length + 1));
+    let best = 0, rounds = 0, tokens = 0, rate = 0;
+    while (performance.now() - t0 < maxMs) {
+      const r = await this.generate(prompt, { maxNewTokens: n, eosTokenId: null });
+      rounds++;
+      tokens += r.ids.length;
+      rate = r.decodeTokensPerSecond;
+      onProgress?.({ round: rounds, tokens, tokensPerSecond: rate, ms: performance.now() - t0 });
+      if (rounds >= 2 && rate < best * 1.05) break;  // no longer getting faster
+      best = Math.max(best, rate);
+    }
+    return { rounds, tokens, ms: performance.now() - t0, tokensPerSecond: rate };
   }
 
   /** The state before any token: zeros (finite; stale slots are masked by position). */
@@ -460,9 +530,10 @@ export class ShramModel {
       for (const { name } of this.manifest.state) fetches[`present.${name}`] = state[`past.${name}`];
       out = await sess.run(feeds, fetches);
     } else if (this.rowWrites) {
-      // onnxruntime-web copies every input into its WASM heap and every output out of it: the
-      // graph returns only the rows it wrote, applied here to the state this module holds
-      // (in write order: the last write to a row wins, as in the graph)
+      // onnxruntime-web copies every input into its WASM heap and every output out of it (and
+      // onnxruntime-node allocates every output anew): the graph returns only the rows it
+      // wrote, applied here to the state this module holds (in write order: the last write to
+      // a row wins, as in the graph)
       out = await sess.run(feeds);
       for (const { name } of this.manifest.state) {
         const at = out[`write.${name}.index`].data, rows = out[`write.${name}.rows`].data;

@@ -21,7 +21,7 @@ if (mode === "generate") {
     try {
       const streamed = [];
       const r = await model.generate(prompt, { ...options, onToken: ({ text }) => streamed.push(text) });
-      out.push({ ids: r.ids, text: r.text, streamed: streamed.join(""), stopped: r.stopped });
+      out.push({ ids: r.ids, text: r.text, streamed: streamed.join(""), stopped: r.stopped, graphs: model.files });
     } catch (e) {
       out.push({ error: e.message, name: e.name });
     }
