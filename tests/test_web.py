@@ -110,7 +110,7 @@ def generate_in_node(site, tmp_path, runtime: str, jobs: list) -> list:
 def test_site_files(site):
     names = {p.name for p in site.iterdir()}
     assert {"index.html", "shram.mjs", "shram.json", "model.onnx", "model.prefill.onnx", "model.onnx.data",
-            "tokenizer.json", *RUNTIME_FILES} <= names
+            "tokenizer.json", "coi-serviceworker.min.js", *RUNTIME_FILES} <= names
     m = json.loads((site / "shram.json").read_text())
     assert m["prefill_chunk"] == 32 and m["capacity"] == 1024 and m["vocab_size"] == 259
     assert m["tokenizer"]["type"] == "bytes" and m["eos_token_id"] == 257
@@ -183,14 +183,55 @@ def test_int4_site(site, site_int4):
     m = json.loads((site_int4 / "shram.json").read_text())
     assert m["quantize"] == "int4" and m["quantized_embedding"] is True
     assert json.loads((site / "shram.json").read_text())["quantize"] is None
-    for role in ("decode", "prefill", "decode_rows", "prefill_rows"):
+    for role in ("decode", "prefill"):
         ops = [n.op_type for n in onnx.load(str(site_int4 / m["files"][role]), load_external_data=False).graph.node]
         assert ops.count("GatherBlockQuantized") == 1 and ops.count("MatMulNBits") > 10, role
+        rows = [n.op_type for n in onnx.load(str(site_int4 / m["files"][f"{role}_rows"]),
+                                             load_external_data=False).graph.node]
+        assert rows.count("GatherBlockQuantized") == 1 and "MatMulNBits" not in rows
+        assert rows.count("DequantizeLinear") == ops.count("MatMulNBits")  # float MatMuls of dequantized weights
 
     def model_bytes(d):
         files = json.loads((d / "shram.json").read_text())["files"]
         return sum((d / f).stat().st_size for f in files.values())
     assert model_bytes(site_int4) <= 0.3 * model_bytes(site), (model_bytes(site_int4), model_bytes(site))
+
+
+@pytest.mark.parametrize("bits,k", [(4, 64), (4, 40), (8, 96)])
+def test_dequantized_matmuls_compute_what_matmulnbits_computes(tmp_path, bits, k):
+    """`dequantized_matmuls` (what a quantized site's row-writes graphs run) against onnxruntime's
+    own MatMulNBits on the same packed weights with float compute (accuracy level 0), K a
+    multiple of the block and not; onnxruntime folds the dequantization at load."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from shram_static.export.onnx_quantize import dequantized_matmuls, quantize_graph
+    n = 48
+    w = np.random.default_rng(bits + k).standard_normal((k, n)).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, n])],
+                          [numpy_helper.from_array(w, "w")])
+    q, count = quantize_graph(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]),
+                              "int4" if bits == 4 else "int8")
+    assert count == 1
+    for node in q.graph.node:  # the oracle computes in float too
+        for a in node.attribute:
+            if a.name == "accuracy_level":
+                a.i = 0
+    onnx.save(q, str(tmp_path / "nbits.onnx"))
+    d, rewritten = dequantized_matmuls(onnx.load(str(tmp_path / "nbits.onnx")))
+    assert rewritten == 1 and "MatMulNBits" not in [x.op_type for x in d.graph.node]
+    onnx.save(d, str(tmp_path / "dq.onnx"))
+    onnx.checker.check_model(str(tmp_path / "dq.onnx"))
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.disable_quant_qdq", "1")
+    x = np.random.default_rng(0).standard_normal((3, k)).astype(np.float32)
+    want = ort.InferenceSession(str(tmp_path / "nbits.onnx")).run(None, {"x": x})[0]
+    got = ort.InferenceSession(str(tmp_path / "dq.onnx"), so).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(got - x @ w).max() > 1e-4  # the weights were quantized
 
 
 def site_bits_per_byte(site, data: bytes) -> float:
@@ -408,7 +449,7 @@ def test_chromium_page(sites, site, site_int4, python_greedy, python_greedy_int4
     root = f"http://127.0.0.1:{server.server_address[1]}"
     try:
         jobs = [{"prompt": p, "options": {"maxNewTokens": N_NEW}} for p in PROMPTS]
-        jobs += [{"prompt": p, "options": {"maxNewTokens": N_NEW}, "url": f"{root}/int4/index.html?warmup=0"}
+        jobs += [{"prompt": p, "options": {"maxNewTokens": N_NEW}, "url": f"{root}/int4/index.html?warmup=0&coi=0"}
                  for p in PROMPTS]
         (tmp_path / "jobs.json").write_text(json.dumps(jobs))
         ui = {"prompt": PROMPTS[0], "maxNewTokens": N_NEW, "temperature": 0}
@@ -430,8 +471,11 @@ def test_chromium_page(sites, site, site_int4, python_greedy, python_greedy_int4
     assert res["ui"]["out"] == PROMPTS[0] + tok.decode(python_greedy[0])  # the streamed text on the page
     assert "time to first token" in res["ui"]["stats"] and "tokens/s" in res["ui"]["stats"]
     fp32, int4 = res["info"], res["jobs"][-1]["info"]
-    assert "fp32 weights" in fp32["about"] and "WASM, 1 thread(s)" in fp32["about"]
-    assert "int4 weights (embedding too)" in int4["about"]
+    # coi-serviceworker made the plainly served page cross-origin isolated: WASM threads by default
+    assert fp32["crossOriginIsolated"] and f"{fp32['threads']} thread(s)" in fp32["about"], fp32
+    assert "fp32 weights" in fp32["about"] and "(cross-origin isolated)" in fp32["about"]
+    assert not int4["crossOriginIsolated"] and int4["threads"] == 1  # ?coi=0
+    assert "int4 weights (embedding too)" in int4["about"] and "WASM, 1 thread(s)" in int4["about"]
     for info, site_dir in ((fp32, site), (int4, site_int4)):
         size = (site_dir / "model.onnx.data").stat().st_size / 1e6
         assert f"model.onnx.data{size:.2f} of {size:.2f} MB" in info["load"].replace("\t", "").replace("\n", ""), info

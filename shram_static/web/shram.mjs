@@ -412,7 +412,10 @@ export class ShramModel {
       ? JSON.parse(new TextDecoder().decode(await readBytes(base, tinfo.file))) : null;
     const tokenizer = new Tokenizer({ ...tinfo, vocab_size: manifest.vocab_size }, spec);
     const web = !!ort.env?.versions?.web;
-    const opts = { graphOptimizationLevel: "all", ...sessionOptions };
+    // a quantized site's row-writes graphs dequantize constant weights (onnx_quantize.dequantized_matmuls):
+    // with QDQ fusions off, onnxruntime folds them into float weights once, at load
+    const opts = { graphOptimizationLevel: "all", ...sessionOptions,
+                   extra: { ...sessionOptions.extra, session: { disable_quant_qdq: "1", ...sessionOptions.extra?.session } } };
     const files = manifest.files, sizes = manifest.bytes ?? {};
     // the graphs that return the rows each step writes (export_web's row_writes_graph), where the
     // site has them: onnxruntime-web copies every output out of its heap, and under Node too the
