@@ -1,7 +1,7 @@
 // Drives an exported site in headless Chromium (Playwright on the system's browser) and prints
 // JSON. Used by the tests and benchmarks/web_speed.py.
 //
-//   node web/browser.mjs URL JOBS.json [--screenshot PNG] [--ui UI.json]
+//   node web/browser.mjs URL JOBS.json [--screenshot PNG] [--ui UI.json] [--webgpu]
 //     JOBS: [{prompt, options, url?}] run through window.shram.generate -> results (or {error});
 //       a job with a url runs in that page (opened once) instead of URL's
 //     UI: {prompt, maxNewTokens, temperature, topK, topP, seed}: typed into the page's form,
@@ -17,16 +17,19 @@ import { chromium } from "playwright-core";
 
 const { values: o, positionals: [url, jobsPath] } = parseArgs({
   allowPositionals: true,
-  options: { screenshot: { type: "string" }, ui: { type: "string" }, stdin: { type: "boolean" } },
+  options: { screenshot: { type: "string" }, ui: { type: "string" }, stdin: { type: "boolean" },
+             webgpu: { type: "boolean" } },
 });
 const jobs = jobsPath ? JSON.parse(readFileSync(jobsPath, "utf8")) : [];
 const browser = await chromium.launch({
   executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
   headless: true,
-  // no sandbox (containers run as root), no GPU, and nothing reaching outside 127.0.0.1
-  args: ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+  // no sandbox (containers run as root), no GPU (or, with --webgpu, WebGPU on SwiftShader, the
+  // CPU's Vulkan), and nothing reaching outside 127.0.0.1
+  args: ["--no-sandbox", "--disable-dev-shm-usage", "--disable-background-networking",
     "--disable-component-update", "--disable-default-apps", "--disable-extensions", "--disable-sync",
-    "--no-first-run", "--metrics-recording-only", "--disable-breakpad"],
+    "--no-first-run", "--metrics-recording-only", "--disable-breakpad",
+    ...(o.webgpu ? ["--enable-unsafe-webgpu", "--use-webgpu-adapter=swiftshader"] : ["--disable-gpu"])],
 });
 async function runJob(page, { prompt, options }) {
   return page.evaluate(async ({ prompt, options }) => {

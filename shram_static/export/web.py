@@ -29,9 +29,11 @@ from ..tokenizer import TOKENIZER_FILE, ByteTokenizer
 from .onnx import export_onnx
 
 MANIFEST_FORMAT = "shram_static.web/1"
-# onnxruntime-web's WASM-only build: the ES module, the loader it imports from its own folder,
-# and the SIMD (+ threads) WebAssembly binary.
-RUNTIME_FILES = ("ort.wasm.min.mjs", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm")
+# onnxruntime-web's WASM-only build (the ES module, the loader it imports from its own folder, and
+# the SIMD + threads WebAssembly binary), and its WebGPU build (the page loads it only where the
+# browser has a WebGPU adapter).
+RUNTIME_FILES = ("ort.wasm.min.mjs", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm",
+                 "ort.webgpu.min.mjs", "ort-wasm-simd-threaded.asyncify.mjs", "ort-wasm-simd-threaded.asyncify.wasm")
 PAGE_FILES = ("index.html", "shram.mjs")
 # coi-serviceworker (npm): the service worker that makes the page cross-origin isolated on any
 # static host (COOP/COEP headers added to its responses), so WASM threads are available
