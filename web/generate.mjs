@@ -39,7 +39,7 @@ function checkSite(dir) {
   } catch (e) {
     fail(`${manifestPath} is not valid JSON: ${e.message}`);
   }
-  const files = ["shram.mjs", ...Object.values(manifest.files ?? {}), manifest.tokenizer?.file].filter(Boolean);
+  const files = ["shram.mjs", "tokenizer.mjs", "sampling.mjs", ...Object.values(manifest.files ?? {}), manifest.tokenizer?.file].filter(Boolean);
   for (const f of files) if (!existsSync(join(dir, f))) fail(`the site ${dir} is missing ${f} (named by shram.json)`);
   return manifest;
 }

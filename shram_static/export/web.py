@@ -3,8 +3,8 @@
 The site (any static file server can serve it):
   * `index.html`: the page (prompt, sampling settings, streamed text, speed), and
     `window.shram.generate(prompt, options)` for programs;
-  * `shram.mjs`: the ES module that owns the tokenizer, the graphs, the state, sampling and
-    stopping (the same module runs under Node with onnxruntime-node);
+  * `shram.mjs` (+ `tokenizer.mjs`, `sampling.mjs`): the ES module that owns the tokenizer, the
+    graphs, the state, sampling and stopping (the same module runs under Node);
   * `shram.json`: what the module needs to know (files, state tensors, chunk, capacity, tokens);
   * `model.onnx`, `model.prefill.onnx`, `model.onnx.data`: `export_onnx`'s graphs, batch 1,
     fp32 or quantized (`quantize`: int8 or int4 MatMulNBits weights, and with int4 the token
@@ -34,7 +34,7 @@ MANIFEST_FORMAT = "shram_static.web/1"
 # browser has a WebGPU adapter).
 RUNTIME_FILES = ("ort.wasm.min.mjs", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm",
                  "ort.webgpu.min.mjs", "ort-wasm-simd-threaded.asyncify.mjs", "ort-wasm-simd-threaded.asyncify.wasm")
-PAGE_FILES = ("index.html", "shram.mjs")
+PAGE_FILES = ("index.html", "shram.mjs", "tokenizer.mjs", "sampling.mjs")
 # coi-serviceworker (npm): the service worker that makes the page cross-origin isolated on any
 # static host (COOP/COEP headers added to its responses), so WASM threads are available
 COI_FILE = "coi-serviceworker.min.js"
