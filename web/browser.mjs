@@ -62,7 +62,8 @@ async function openPage(url, logs) {
   return { page, info: { ...info, browser: browser.version() } };
 }
 
-function readyInfo(page) {
+async function readyInfo(page) {
+  await page.waitForFunction(() => window.shram, null, { timeout: 120000 });  // the page's module has run
   return page.evaluate(async () => {
     const m = await window.shram.ready;
     return { crossOriginIsolated: globalThis.crossOriginIsolated, userAgent: navigator.userAgent,

@@ -91,8 +91,9 @@ export class ShramModel {
    * @param {object} ort the onnxruntime module: onnxruntime-web (browser, or Node) or onnxruntime-node.
    * @param {string|URL} base the site: a URL (browser) or a directory (Node).
    * @param {object} [options]
-   * @param {number} [options.threads] intra-op threads (default: onnxruntime-web uses the cores,
-   *   up to 4, on a cross-origin isolated page and one thread otherwise; onnxruntime-node its own choice).
+   * @param {number} [options.threads] intra-op threads (default: onnxruntime-web uses half the
+   *   cores, up to 4, on a cross-origin isolated page and one thread otherwise; onnxruntime-node
+   *   its own choice).
    * @param {string[]} [options.executionProviders] onnxruntime-web's providers (default ["wasm"]).
    * @param {function} [options.onProgress] called with {file, loaded, total} as each file arrives.
    * @param {object} [options.sessionOptions] more onnxruntime session options.
@@ -126,7 +127,8 @@ export class ShramModel {
     if (web) {
       if (threads) ort.env.wasm.numThreads = threads;
       else if (!globalThis.crossOriginIsolated) ort.env.wasm.numThreads = 1;  // threads need isolation
-      else ort.env.wasm.numThreads = Math.min(4, globalThis.navigator?.hardwareConcurrency || 1);
+      // isolated: onnxruntime-web's own default, half the cores (the page's own thread needs one), up to 4
+      else ort.env.wasm.numThreads = Math.min(4, Math.ceil((globalThis.navigator?.hardwareConcurrency || 1) / 2));
       used = ort.env.wasm.numThreads;
       // onnxruntime-web reads no file beside the graph by itself: hand it the weights, read once
       // for both graphs; every file downloads at once
