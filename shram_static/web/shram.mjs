@@ -176,28 +176,36 @@ export class ShramModel {
   }
 
   /**
-   * Generates from a dummy prompt (prefill and decode) until the decode speed stops rising, or
-   * for at most `maxMs`. WHY: V8 compiles WebAssembly with its baseline compiler first and
-   * optimizes hot functions as they run, so a page's first few hundred tokens run several
-   * times slower; a page calls this while it loads, so a user's first generation runs at full speed.
+   * Generates from a dummy prompt (prefill and decode) in rounds of about a second each until a
+   * round is no longer 5% faster than the best before it, or for at most `maxMs`. WHY: V8
+   * compiles WebAssembly with its baseline compiler first and optimizes hot functions as they
+   * run, so a page's first few hundred tokens run several times slower; a page calls this while
+   * it loads, so a user's first generation runs at full speed.
    *
    * @param {object} [opts]
-   * @param {number} [opts.maxMs=10000] the most it may take.
+   * @param {number} [opts.maxMs=10000] the most it may take (a round in flight is cut short).
    * @param {function} [opts.onProgress] called with {round, tokens, tokensPerSecond, ms} after each round.
    * @returns {Promise<{rounds: number, tokens: number, ms: number, tokensPerSecond: number}>}
    */
   async warmUp({ maxMs = 10000, onProgress } = {}) {
     const t0 = performance.now(), prompt = new Array(this.prefillChunk + 1).fill(0);
-    const n = Math.max(1, Math.min(128, this.capacity - prompt.length + 1));
-    let best = 0, rounds = 0, tokens = 0, rate = 0;
-    while (performance.now() - t0 < maxMs) {
-      const r = await this.generate(prompt, { maxNewTokens: n, eosTokenId: null });
-      rounds++;
-      tokens += r.ids.length;
-      rate = r.decodeTokensPerSecond;
-      onProgress?.({ round: rounds, tokens, tokensPerSecond: rate, ms: performance.now() - t0 });
-      if (rounds >= 2 && rate < best * 1.05) break;  // no longer getting faster
-      best = Math.max(best, rate);
+    const most = Math.max(1, this.capacity - prompt.length + 1);
+    const stop = new AbortController(), timer = setTimeout(() => stop.abort(), maxMs);
+    let best = 0, rounds = 0, tokens = 0, rate = 0, n = Math.min(16, most);
+    try {
+      while (!stop.signal.aborted) {
+        const r = await this.generate(prompt, { maxNewTokens: n, eosTokenId: null, signal: stop.signal });
+        rounds++;
+        tokens += r.ids.length;
+        if (r.stopped === "abort") break;
+        rate = r.decodeTokensPerSecond;
+        onProgress?.({ round: rounds, tokens, tokensPerSecond: rate, ms: performance.now() - t0 });
+        if (rounds >= 3 && rate < best * 1.05) break;  // no longer getting faster
+        best = Math.max(best, rate);
+        n = Math.max(16, Math.min(128, most, Math.round(rate)));  // about a second at this speed
+      }
+    } finally {
+      clearTimeout(timer);
     }
     return { rounds, tokens, ms: performance.now() - t0, tokensPerSecond: rate };
   }
