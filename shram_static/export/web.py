@@ -10,10 +10,11 @@ The site (any static file server can serve it):
     fp32 or quantized (`quantize`: int8 or int4 MatMulNBits weights, and with int4 the token
     embedding as int4 rows too; `shram.json` says which);
   * `model.rows.onnx`, `model.rows.prefill.onnx`: the same graphs returning the rows each step
-    writes instead of the whole new state (`row_writes_graph`: what the module runs); in a
-    quantized site their MatMulNBits are float MatMuls of weights dequantized from the same
-    bytes once, at load (`onnx_quantize.dequantized_matmuls`: onnxruntime-web's WASM runs
-    MatMulNBits 3-4x slower than float MatMul);
+    writes instead of the whole new state (`row_writes_graph`: what the module runs);
+  * in a quantized site, `model.rows.dq.onnx`, `model.rows.dq.prefill.onnx`: the row-writes
+    graphs with each MatMulNBits a float MatMul of its weight dequantized from the same bytes
+    once, at load (`onnx_quantize.dequantized_matmuls`: what onnxruntime-web runs, whose WASM
+    runs MatMulNBits 3-4x slower than float MatMul; onnxruntime-node runs MatMulNBits);
   * `tokenizer.json` (+ `tokenizer_config.json` for the byte tokenizer);
   * the onnxruntime-web runtime (`ort.wasm.min.mjs` and its WASM) and `coi-serviceworker.min.js`
     (cross-origin isolation on any static host, for WASM threads), copied from the npm packages
@@ -204,10 +205,11 @@ def export_web(model, tokenizer, out_dir, prefill_chunk: int | None = 32, *, par
             strip_node_metadata(paths[role])
             rows = os.path.join(out_dir, "model.rows" + os.path.basename(paths[role]).removeprefix("model"))
             paths[f"{role}_rows"] = row_writes_graph(paths[role], rows)
-            if quantize is not None:  # what the module runs: float MatMuls of weights dequantized at load
-                m = onnx.load(rows, load_external_data=False)
-                onnx.save(dequantized_matmuls(m)[0], rows)
-                onnx.checker.check_model(rows)
+            if quantize is not None:  # what onnxruntime-web runs: float MatMuls of weights dequantized at load
+                dq = rows.replace("model.rows", "model.rows.dq")
+                onnx.save(dequantized_matmuls(onnx.load(rows, load_external_data=False))[0], dq)
+                onnx.checker.check_model(dq)
+                paths[f"{role}_rows_dq"] = dq
     graph = onnx.load(paths["decode"], load_external_data=False).graph
     state = [{"name": i.name.removeprefix("past."), "type": _ONNX_TYPES[i.type.tensor_type.elem_type],
               "dims": [d.dim_value for d in i.type.tensor_type.shape.dim]}

@@ -110,7 +110,7 @@ export class ShramModel {
       ? JSON.parse(new TextDecoder().decode(await readBytes(base, tinfo.file))) : null;
     const tokenizer = new Tokenizer({ ...tinfo, vocab_size: manifest.vocab_size }, spec);
     const web = !!ort.env?.versions?.web;
-    // a quantized site's row-writes graphs dequantize constant weights (onnx_quantize.dequantized_matmuls):
+    // a quantized site's dq graphs dequantize constant weights (onnx_quantize.dequantized_matmuls):
     // with QDQ fusions off, onnxruntime folds them into float weights once, at load
     const opts = { graphOptimizationLevel: "all", ...sessionOptions,
                    extra: { ...sessionOptions.extra, session: { disable_quant_qdq: "1", ...sessionOptions.extra?.session } } };
@@ -119,8 +119,10 @@ export class ShramModel {
     // site has them: onnxruntime-web copies every output out of its heap, and under Node too the
     // few written rows cost less than binding the whole state in place (docs/web.md)
     const rowWrites = !!files.decode_rows;
-    const decodeFile = rowWrites ? files.decode_rows : files.decode;
-    const prefillFile = rowWrites ? files.prefill_rows : files.prefill;
+    // a quantized site's onnxruntime-web graphs: weights dequantized at load (MatMulNBits is slow in WASM)
+    const dq = web && files.decode_rows_dq ? "_dq" : "";
+    const decodeFile = rowWrites ? files[`decode_rows${dq}`] : files.decode;
+    const prefillFile = rowWrites ? files[`prefill_rows${dq}`] : files.prefill;
     const roles = { decode: decodeFile, prefill: prefillFile };
     const role = (f) => Object.keys(files).find((k) => files[k] === f);
     let used = threads ?? null, sessions;
