@@ -67,7 +67,8 @@ def export_main(args) -> int:
         if fmt == "web":
             paths = export_web(model, tok, args.out, None if args.decode_only else args.prefill_chunk,
                                parallel=args.parallel, full_logits=args.full_logits, quantize=quantize)
-            files = [*paths.values(), *(os.path.join(args.out, f) for f in (*PAGE_FILES, *RUNTIME_FILES, COI_FILE))]
+            site = (*PAGE_FILES, *RUNTIME_FILES, COI_FILE)
+            files = [*paths.values(), *(os.path.join(args.out, f) for f in site)]
         elif fmt == "pte":
             suffix = f".{quantize}" if quantize else ""
             files = [export_pte(model, f"{stem}{suffix}.pte", batch_size=args.batch_size,
