@@ -15,7 +15,6 @@ from .config import ShramConfig
 from .generation import ShramGenerationMixin, default_compile_config
 from .layers import DecoderLayer, RMSNorm
 from .rope import RotaryTables, apply_rope
-from .routing import route
 from .validation import check_capacity, check_input_ids, check_mask
 
 
@@ -227,7 +226,7 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
                 k = apply_rope(k, cos_l[:, None], sin_l[:, None])
                 y = la.out(masked_attention(q, k, v, local_bias, 1 / math.sqrt(cfg.head_dim), local_seen))
                 sa = layer.attention.sparse_attention
-                idx, P = route(h, sa.router.routing_weight, live, start, taken, cfg.num_selected_heads)
+                idx, P = sa.router(h, live, start, taken, cfg.num_selected_heads)
                 routing.append(torch.where(live[..., None], idx, -1))
                 return y + self._mosrah_dense(sa.bea, h, live, pos, idx, P, tri)
             x = layer(x, attn)
