@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .layers import BEA, MoSRAH, Router, gather_experts
-from .routing import route_logits, top_k_ranks
+from .routing import top_k_ranks
 
 FEW_ROWS = 8  # compiled decode batches up to this size run their projections as RowLinear
 LANES = 16  # outputs per block of RowLinear's packed weight
@@ -169,18 +169,17 @@ class FusedRouter(Router):
         router: the `Router` whose weight it shares (not changed).
     """
 
+    pick = staticmethod(top_k_ranks)
+
     def __init__(self, router: Router):
         nn.Module.__init__(self)
         self.routing_weight = router.routing_weight
 
-    def forward(self, h: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken: torch.Tensor, k: int,
-                small: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """See `Router.forward`."""
-        # rounded to h's dtype as F.linear's output is, then fp32. One broadcast reduction, not
-        # RowLinear's stack of per-row reductions: for an (L, d) weight this small, one output
-        # buffer beats n row views in the wrapper (the verify step).
-        z = (h.float()[..., None, :] * self.routing_weight.float()).sum(-1).to(h.dtype).float()  # (B, C, L)
-        return route_logits(z, live, start, taken, k, h.dtype, small, top_k_ranks)
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """See `Router.logits`: rounded to h's dtype as F.linear's output is, then fp32."""
+        # One broadcast reduction, not RowLinear's stack of per-row reductions: for an (L, d)
+        # weight this small, one output buffer beats n row views in the wrapper (the verify step).
+        return (h.float()[..., None, :] * self.routing_weight.float()).sum(-1).to(h.dtype).float()
 
 
 def row_linear_(model: nn.Module) -> nn.Module:

@@ -20,7 +20,7 @@ from .attention import attend_by_expert, attend_gathered, masked_attention
 from .config import ShramConfig
 from .reductions import exclusive_cumsum, mean_last
 from .rope import apply_rope
-from .routing import route
+from .routing import route, top_k
 from .state import write_rows
 
 
@@ -161,17 +161,23 @@ class LocalAttention(nn.Module):
 
 
 class Router(nn.Module):
-    """The MoSRAH router's weight (L, d); `forward` is `routing.route` with it (`FusedRouter`
-    replaces it in the compiled steps)."""
+    """The MoSRAH router's weight (L, d): its logits, and the top-k it selects with
+    (`FusedRouter` replaces both in the compiled steps)."""
+
+    pick = staticmethod(top_k)
 
     def __init__(self, config: ShramConfig):
         super().__init__()
         self.routing_weight = nn.Parameter(torch.empty(config.num_mosrah_heads, config.embedding_width))
 
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(B, C, d) -> (B, C, L) fp32; linear, as XNNPACK delegates it."""
+        return F.linear(h, self.routing_weight).float()
+
     def forward(self, h: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken: torch.Tensor, k: int,
                 small: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(idx, P) each (B, C, K): `routing.route`."""
-        return route(h, self.routing_weight, live, start, taken, k, small)
+        """(idx, P) each (B, C, K) for normed hidden states h (B, C, d): `routing.route`."""
+        return route(self.logits(h), live, start, taken, k, h.dtype, small, self.pick)
 
 
 class BEA(nn.Module):
@@ -281,8 +287,8 @@ class HybridAttention(nn.Module):
 
 class DecoderLayer(nn.Module):
     """One layer: the pre-norm residual structure a = x + g_attn * attn(norm(x));
-    x = a + g_mlp * mlp(norm(a)), around a given attention function (`forward`) or the static
-    step's (`step`)."""
+    x = a + g_mlp * mlp(norm(a)) (`residual`), around the static step's attention (`step`) or
+    the uncached forward's (`model.py`)."""
 
     def __init__(self, config: ShramConfig):
         super().__init__()
@@ -299,10 +305,8 @@ class DecoderLayer(nn.Module):
             self.register_buffer("attn_residual_scale", fixed.clone())
             self.register_buffer("mlp_residual_scale", fixed.clone())
 
-    def forward(self, x: torch.Tensor, attn) -> torch.Tensor:
-        return self._residual(x, attn(self.attn_norm(x)))
-
-    def _residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The layer's output for its input x and attention output y = attn(attn_norm(x))."""
         a = x + self.attn_residual_scale * y
         return a + self.mlp_residual_scale * self.mlp(self.mlp_norm(a))
 
@@ -327,5 +331,5 @@ class DecoderLayer(nn.Module):
         h = self.attn_norm(x)
         y, local_k, local_v = self.attention.local_attention.step(h, local_k, local_v, ctx)
         ys, routes, sparse_k, sparse_v = self.attention.sparse_attention.step(h, routes, sparse_k, sparse_v, ctx)
-        x = self._residual(x, y + ys)
+        x = self.residual(x, y + ys)
         return (x,) if ctx.mode.inplace else (x, routes, local_k, local_v, sparse_k, sparse_v)

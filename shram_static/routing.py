@@ -85,25 +85,18 @@ def block_select(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken
     return idx
 
 
-def route(h: torch.Tensor, routing_weight: torch.Tensor, live: torch.Tensor, start: torch.Tensor,
-          taken: torch.Tensor, k: int, small: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router of one layer: logits, entmax scores, block-balanced selection and weights.
+def route(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken: torch.Tensor, k: int,
+          dtype: torch.dtype, small: bool = False, pick=top_k) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router of one layer from its logits: entmax scores, block-balanced selection and weights.
 
     Args:
-        h: normed hidden states (B, C, d).
-        routing_weight: (L, d).
-        live, start, taken, k, small: as in `block_select`.
+        z: router logits (B, C, L), fp32.
+        live, start, taken, k, small, pick: as in `block_select`.
+        dtype: the weights' dtype (the hidden states').
 
     Returns:
-        idx: (B, C, K) selected experts; P: (B, C, K) weights in h's dtype.
+        idx: (B, C, K) selected experts; P: (B, C, K) weights in `dtype`.
     """
-    z = F.linear(h, routing_weight).float()  # (B, C, L); linear, as XNNPACK delegates it
-    return route_logits(z, live, start, taken, k, h.dtype, small)
-
-
-def route_logits(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken: torch.Tensor, k: int,
-                 dtype: torch.dtype, small: bool = False, pick=top_k) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route` from the router logits z (B, C, L) fp32; P in `dtype`; `pick` as in `block_select`."""
     if torch.is_grad_enabled() and z.requires_grad:
         # Training: `entmax12` is a fixed number of Newton steps whose autograd differentiates
         # the unrolled steps (through clamps and a starting point set by max(z)), not the

@@ -1,13 +1,9 @@
 """The static step: C tokens per row over fixed-shape state (docs/design.md, "The step").
 
-`step` is the single code path of both the decode step (C = 1) and the prefill step
-(C = prefill_chunk). It has no Python branch on tensor data, no host read-back, no
-data-dependent shape, and writes state only with `index_put` at computed 1-D row indices
-(dead tokens and overflowing slots write to sink rows that are never read). With
-`inplace=True` it mutates the given buffers (eager, torch.compile, torch.export/ExecuTorch);
-with `inplace=False` it returns new tensors instead (a pure function for ONNX, whose exporter
-silently drops in-place buffer mutations). Every read of a state tensor happens after its
-write, so onnxruntime may alias each output state to its input.
+`step` is the one code path of the decode step (C = 1) and the prefill step (C = prefill_chunk):
+no Python branch on tensor data, no host read-back, no data-dependent shape; state is written
+only with `index_put` at computed 1-D row indices (dead tokens and overflowing slots write to
+sink rows that are never read).
 """
 
 import torch
