@@ -82,16 +82,11 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
 
 def attend_gathered(qs: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, head: torch.Tensor,
                     slot: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
-    """Sparse attention of a few tokens per row: each token's K expert caches gathered.
-
-    Args:
-        qs: (B, C, K, u) queries at the selected experts; sk, sv: (B*L*(T+1), u) written caches.
-        head: (B, C, K) the (row, expert) cache of each selected expert; slot: (B, C, K) the
-            last slot each query sees there; slots: (T+1,) float32 slot numbers (`slot_bias`).
-
-    Returns:
-        (B, C, K, u). Every query sees at least slot 0 of its expert: no `seen` multiplier.
-    """
+    """Sparse attention of a few tokens per row, each token's K expert caches gathered: qs
+    (B, C, K, u) at the selected experts, sk, sv (B*L*(T+1), u) the written caches, head (B, C, K)
+    each one's (row, expert) cache, slot (B, C, K) the last slot it sees there, slots (T+1,)
+    float32 slot numbers (`slot_bias`) -> (B, C, K, u). Every query sees at least slot 0 of its
+    expert: no `seen` multiplier."""
     B, C, K, u = qs.shape
     T1 = slots.shape[0]
     hsel = head.reshape(-1)
