@@ -7,7 +7,6 @@ a routing block (a static Python int), handling the same step of every block at 
 """
 
 import torch
-import torch.nn.functional as F
 
 from .entmax import entmax12
 from .reductions import exclusive_cumsum, small_bmm
