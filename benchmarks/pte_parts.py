@@ -28,7 +28,7 @@ from unittest import mock
 import torch
 
 
-def _first_k(z, live, start, taken, k, dtype, small=False):
+def _first_k(z, live, start, taken, k, dtype, small=False, pick=None):
     """`routing.route` with every token at experts 0..K-1, weighted by a softmax of their logits."""
     B, C, _ = z.shape
     # + 0 * live: a tensor of its own per step, not an expanded constant (an expand_copy kernel)
