@@ -161,13 +161,9 @@ def _refill(module: nn.Module, name: str, new: torch.Tensor) -> None:
 
 
 class FusedRouter(Router):
-    """`Router` for the compiled steps on CPU: its logits as row reductions (as `RowLinear`) and
-    its top-k as ranks (`routing.top_k_ranks`), both fused into the layer's kernel instead of an
-    extern `mm` and an aten `topk` per layer.
-
-    Args:
-        router: the `Router` whose weight it shares (not changed).
-    """
+    """`Router` for the compiled steps on CPU over the weight of `router` (shared): its logits as
+    row reductions (as `RowLinear`) and its top-k as ranks (`routing.top_k_ranks`), both fused
+    into the layer's kernel instead of an extern `mm` and an aten `topk` per layer."""
 
     pick = staticmethod(top_k_ranks)
 

@@ -1,12 +1,7 @@
 """The modules of one SHRAM decoder layer, named as in the checkpoint (docs/design.md, "Checkpoint
-layout"), and their static step (docs/design.md, "The step").
-
-Each attention module's `step` runs its part of a static step over its own caches:
-`LocalAttention.step` (the ring), `MoSRAH.step` (routing, the experts' caches), and
-`DecoderLayer.step` the residual structure around them. What they share per step is a
-`StepContext` that `step.py` computes once. The uncached forward over a whole sequence is in
-`model.py`. The fast paths that replace some of these modules on a copy of the model are in
-`fast_layers.py`.
+layout"), and their static step over their own caches (docs/design.md, "The step"), reading a
+`StepContext` that `step.py` computes once per step. The fast paths that replace some of these
+modules on a copy of the model are in `fast_layers.py`.
 """
 
 import math
@@ -141,11 +136,8 @@ class LocalAttention(nn.Module):
              ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Writes the chunk's keys and values into the ring, then attends over the ring alone.
 
-        Args:
-            h: (B, C, d) normed hidden states; local_k, local_v: (B*H*(R+1), u) the ring.
-
-        Returns:
-            (B, C, d) output, and the ring's k and v (the same tensors when in place).
+        Args: h (B, C, d) normed hidden states; local_k, local_v (B*H*(R+1), u) the ring.
+        Returns: (B, C, d) output, and the ring's k and v (the same tensors when in place).
         """
         B, u = h.shape[0], self.head_dim
         q, k, v = self.qkv(h)  # (B, H, C, u)
@@ -230,12 +222,9 @@ class MoSRAH(nn.Module):
         """Routes the chunk, writes each token's key and value into its K experts' caches, attends
         them and mixes the K outputs by the routing weights.
 
-        Args:
-            h: (B, C, d) normed hidden states; routes: (B*(N+1), K) the routing history;
-            sparse_k, sparse_v: (B*L*(T+1), u) the experts' caches.
-
-        Returns:
-            (B, C, d) output, and routes, sparse_k, sparse_v (the same tensors when in place).
+        Args: h (B, C, d) normed hidden states; routes (B*(N+1), K) the routing history;
+            sparse_k, sparse_v (B*L*(T+1), u) the experts' caches.
+        Returns: (B, C, d) output, and routes, sparse_k, sparse_v (the same tensors when in place).
         """
         B, C, _ = h.shape
         L, K, u, mode = self.num_experts, self.num_selected, self.head_dim, ctx.mode
@@ -314,18 +303,14 @@ class DecoderLayer(nn.Module):
              sparse_k: torch.Tensor, sparse_v: torch.Tensor, *ctx) -> tuple[torch.Tensor, ...]:
         """The layer over a chunk of the static step, reading and writing its 5 state tensors.
 
-        Args:
-            x: (B, C, d); routes .. sparse_v: the layer's state (`state.LayerState`).
-            ctx: `StepContext.flat()`. WHY flat: the compiled steps run this as a nested compile
-                region (`step.step`), and Dynamo fingerprints a region's call for reuse by
-                tracing pytree's flatten of any tuple argument (seconds of a cold compile),
-                but takes a shortcut when every argument is a tensor, constant or module.
-
-        Returns:
-            (x,) in place; out of place (x, *the new state). A flat tuple of tensors: Dynamo
-            reuses a region's first trace for the other layers only when its output holds
-            nothing but tensors, and in place the inputs were mutated (returning them would
-            alias an output to an input, which a region rejects).
+        Args: x (B, C, d); routes .. sparse_v the layer's state (`state.LayerState`); ctx
+            `StepContext.flat()`. WHY flat: the compiled steps run this as a nested compile region
+            (`step.step`), and Dynamo fingerprints a region's call for reuse by tracing pytree's
+            flatten of any tuple argument (seconds of a cold compile), not of flat tensors,
+            constants and modules.
+        Returns: (x,) in place, (x, *the new state) out of place: a flat tuple of tensors (Dynamo
+            reuses a region's trace only for such an output), without the mutated inputs in place
+            (a region rejects an output aliasing an input).
         """
         ctx = StepContext.of(ctx)
         h = self.attn_norm(x)
