@@ -28,12 +28,11 @@ from unittest import mock
 import torch
 
 
-def _first_k(h, routing_weight, live, start, taken, k, small=False, fused=False):
+def _first_k(z, live, start, taken, k, dtype, small=False, pick=None):
     """`routing.route` with every token at experts 0..K-1, weighted by a softmax of their logits."""
-    B, C, _ = h.shape
-    z = torch.nn.functional.linear(h.float(), routing_weight)  # (B, C, L)
+    B, C, _ = z.shape
     # + 0 * live: a tensor of its own per step, not an expanded constant (an expand_copy kernel)
-    idx = torch.arange(k, device=h.device).expand(B, C, k) + 0 * live[..., None].long()  # (B, C, K)
+    idx = torch.arange(k, device=z.device).expand(B, C, k) + 0 * live[..., None].long()  # (B, C, K)
     return idx, torch.softmax(z[..., :k], dim=-1)
 
 
@@ -42,11 +41,20 @@ def _slice_rows(self, dim, index):
     return self.narrow(dim, 0, index.numel())
 
 
+@contextlib.contextmanager
+def _patched(targets, new):
+    """`mock.patch` of each of `targets` by `new`."""
+    with contextlib.ExitStack() as stack:
+        for t in targets:
+            stack.enter_context(mock.patch(t, new))
+        yield
+
+
 PARTS = {
-    "attention": lambda: mock.patch("shram_static.step.masked_attention",
-                                    lambda q, k, v, bias, scale, seen=None, small=False: q * 1.0),
+    "attention": lambda: _patched(("shram_static.layers.masked_attention", "shram_static.attention.masked_attention"),
+                                  lambda q, k, v, bias, scale, seen=None, small=False: q * 1.0),
     "gathers": lambda: mock.patch.object(torch.Tensor, "index_select", _slice_rows),
-    "routing": lambda: mock.patch("shram_static.step.route", _first_k),
+    "routing": lambda: mock.patch("shram_static.layers.route", _first_k),
     "entmax": lambda: mock.patch("shram_static.routing.entmax12", lambda z: torch.softmax(z.float(), dim=-1)),
 }
 

@@ -6,8 +6,7 @@ the model a caller hands in is never changed.
 * `row_linear_` (the compiled steps on CPU, up to FEW_ROWS rows per batch): every bias-free
   `nn.Linear` becomes a `RowLinear` over the same weight (and a packed copy of it), every `BEA`
   a `RowExperts` (its q, k and v experts side by side in a copy of their own), and every
-  `Router` computes its logits and top-k in forms Inductor fuses (`Router.fused`), on a
-  `shared_copy`.
+  `Router` a `FusedRouter` (its logits and top-k in forms Inductor fuses), on a `shared_copy`.
 * `fuse_experts_` (the exported steps, and quantization): every `BEA` becomes a `FusedExperts`,
   every expert as one linear layer each way, on a copy that owns its weights.
 """
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .layers import BEA, MoSRAH, Router, gather_experts
+from .routing import top_k_ranks
 
 FEW_ROWS = 8  # compiled decode batches up to this size run their projections as RowLinear
 LANES = 16  # outputs per block of RowLinear's packed weight
@@ -160,16 +160,32 @@ def _refill(module: nn.Module, name: str, new: torch.Tensor) -> None:
         setattr(module, name, new)
 
 
+class FusedRouter(Router):
+    """`Router` for the compiled steps on CPU over the weight of `router` (shared): its logits as
+    row reductions (as `RowLinear`) and its top-k as ranks (`routing.top_k_ranks`), both fused
+    into the layer's kernel instead of an extern `mm` and an aten `topk` per layer."""
+
+    pick = staticmethod(top_k_ranks)
+
+    def __init__(self, router: Router):
+        nn.Module.__init__(self)
+        self.routing_weight = router.routing_weight
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """See `Router.logits`: rounded to h's dtype as F.linear's output is, then fp32."""
+        # One broadcast reduction, not RowLinear's stack of per-row reductions: for an (L, d)
+        # weight this small, one output buffer beats n row views in the wrapper (the verify step).
+        return (h.float()[..., None, :] * self.routing_weight.float()).sum(-1).to(h.dtype).float()
+
+
 def row_linear_(model: nn.Module) -> nn.Module:
     """Replaces every bias-free nn.Linear of `model` (and a tied lm_head) by a `RowLinear` over
-    the same weight and every `BEA` by a `RowExperts`, and marks every `Router` `fused` (its
-    logits as row reductions too, its top-k as ranks), in place; returns `model`. Use on a
-    `shared_copy`."""
+    the same weight, every `BEA` by a `RowExperts` and every `Router` by a `FusedRouter`, in
+    place; returns `model`. Use on a `shared_copy`."""
     for m in model.modules():
-        if isinstance(m, Router):
-            m.fused = True  # an instance attribute of the copy's router: the model's stays False
-        if isinstance(m, MoSRAH) and type(m.bea) is BEA:
-            m.bea = RowExperts(m.bea)
+        if isinstance(m, MoSRAH):
+            m.router = m.router if isinstance(m.router, FusedRouter) else FusedRouter(m.router)
+            m.bea = RowExperts(m.bea) if type(m.bea) is BEA else m.bea
     return swap_linears_(model, RowLinear)
 
 

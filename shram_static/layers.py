@@ -1,19 +1,68 @@
-"""Parameter-holding modules of one SHRAM decoder layer, named as in the checkpoint (docs/design.md, "Checkpoint layout").
-
-They hold weights and the position-free math (norms, projections, MLP, the selected experts'
-projections). Attention over a sequence lives in `model.py` (uncached forward) and `step.py`
-(static prefill/decode), which call these modules with explicit tensors. The fast paths that
-replace some of these layers on a copy of the model are in `fast_layers.py`.
+"""The modules of one SHRAM decoder layer, named as in the checkpoint (docs/design.md, "Checkpoint
+layout"), and their static step over their own caches (docs/design.md, "The step"), reading a
+`StepContext` that `step.py` computes once per step. The fast paths that replace some of these
+modules on a copy of the model are in `fast_layers.py`.
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import attend_by_expert, attend_gathered, masked_attention
 from .config import ShramConfig
-from .reductions import mean_last
+from .reductions import exclusive_cumsum, mean_last
+from .rope import apply_rope
+from .routing import route, top_k
+from .state import write_rows
+
+
+class StepMode(NamedTuple):
+    """How a static step runs, fixed for each compiled graph or exported program."""
+
+    inplace: bool  # write the state buffers in place (False: return new ones, for ONNX)
+    # A few tokens per row (decode, the compiled verify step): attend each token's K experts
+    # through their gathered caches, and do the chunk's prefix sums and small products as fused
+    # reductions (`reductions.small_bmm`); else (prefill) attend expert by expert. Same logits.
+    per_token: bool
+
+
+class StepContext(NamedTuple):
+    """What every layer of one static step reads, computed once per step (`step.step`).
+
+    B rows of C tokens; H local heads, L experts, K selected, u head width, R ring slots,
+    T sparse slots, W = L/K tokens per routing block.
+    """
+
+    live: torch.Tensor  # (B, C) bool
+    input_pos: torch.Tensor  # (B,) live tokens before the step
+    cos_l: torch.Tensor  # (B, 1, C, u) local RoPE rows
+    sin_l: torch.Tensor
+    ring_rows: torch.Tensor  # (B*H*C,) ring row each local k/v goes to (dead tokens: the sink)
+    local_bias: torch.Tensor  # (B, 1, C, R+1) attention bias over the ring and its sink
+    local_seen: torch.Tensor  # (B, 1, C, 1) 1.0 where a query sees any ring slot
+    main_cos: torch.Tensor | None  # (B, C, 1, u) sparse RoPE rows at token positions
+    main_sin: torch.Tensor | None  # (main_sequence; None for semantic_sequence)
+    hist_idx: torch.Tensor  # (B, W-1, K) history row (of the row's N+1) of positions input_pos-1 .. -(W-1)
+    hist_open: torch.Tensor  # (B, W-1, 1, 1) those positions lie in the open routing block
+    route_rows: torch.Tensor  # (B*C,) history row each token's routing goes to (dead tokens: the sink)
+    blocks_done: torch.Tensor  # (B, 1) input_pos // W: tokens each expert held at closed blocks
+    head_base: torch.Tensor  # (B, 1, 1) b * L, the row's first (b, l) cache head
+    ar_l: torch.Tensor  # arange(L)
+    slots: torch.Tensor  # (T + 1,) float32 arange(T), then 2**24 at the sink (past every slot: never attended)
+    rope: nn.Module  # the model's `RotaryTables` (semantic_sequence: sparse rows at each slot)
+    mode: StepMode
+
+    def flat(self) -> tuple:
+        """The fields with the mode's spread out: what `DecoderLayer.step` takes after its state."""
+        return (*self[:-1], *self.mode)
+
+    @classmethod
+    def of(cls, flat: tuple) -> "StepContext":
+        """The context whose `flat()` is `flat`."""
+        return cls(*flat[:-len(StepMode._fields)], StepMode(*flat[-len(StepMode._fields):]))
 
 
 def gather_experts(w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -83,19 +132,44 @@ class LocalAttention(nn.Module):
         B, H, C, u = y.shape
         return self.o_proj(y.transpose(1, 2).reshape(B, C, H * u))
 
+    def step(self, h: torch.Tensor, local_k: torch.Tensor, local_v: torch.Tensor,
+             ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Writes the chunk's keys and values into the ring, then attends over the ring alone.
+
+        Args: h (B, C, d) normed hidden states; local_k, local_v (B*H*(R+1), u) the ring.
+        Returns: (B, C, d) output, and the ring's k and v (the same tensors when in place).
+        """
+        B, u = h.shape[0], self.head_dim
+        q, k, v = self.qkv(h)  # (B, H, C, u)
+        q, k = apply_rope(q, ctx.cos_l, ctx.sin_l), apply_rope(k, ctx.cos_l, ctx.sin_l)
+        local_k = write_rows(local_k, ctx.ring_rows, k.reshape(-1, u), ctx.mode.inplace)
+        local_v = write_rows(local_v, ctx.ring_rows, v.reshape(-1, u), ctx.mode.inplace)
+        # over all R + 1 rows of a (row, head)'s ring, the sink masked: a slice to the first R
+        # rows would be a copy of the ring in the XNNPACK delegate
+        kr = local_k.view(B, self.num_heads, -1, u)  # (B, H, R+1, u)
+        vr = local_v.view(B, self.num_heads, -1, u)
+        y = masked_attention(q, kr, vr, ctx.local_bias, 1 / math.sqrt(u), ctx.local_seen, ctx.mode.per_token)
+        return self.out(y), local_k, local_v
+
 
 class Router(nn.Module):
-    """The MoSRAH router's weight (L, d); `routing.route` computes with it.
+    """The MoSRAH router's weight (L, d): its logits, and the top-k it selects with
+    (`FusedRouter` replaces both in the compiled steps)."""
 
-    `fused` (False): set on the compiled steps' copy by `fast_layers.row_linear_`, where
-    `route` then computes the logits and the top-k in forms Inductor fuses (`routing.route`).
-    """
-
-    fused = False
+    pick = staticmethod(top_k)
 
     def __init__(self, config: ShramConfig):
         super().__init__()
         self.routing_weight = nn.Parameter(torch.empty(config.num_mosrah_heads, config.embedding_width))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(B, C, d) -> (B, C, L) fp32; linear, as XNNPACK delegates it."""
+        return F.linear(h, self.routing_weight).float()
+
+    def forward(self, h: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken: torch.Tensor, k: int,
+                small: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(idx, P) each (B, C, K) for normed hidden states h (B, C, d): `routing.route`."""
+        return route(self.logits(h), live, start, taken, k, h.dtype, small, self.pick)
 
 
 class BEA(nn.Module):
@@ -134,10 +208,63 @@ class BEA(nn.Module):
 
 
 class MoSRAH(nn.Module):
+    """The sparse path: a router and L expert heads, K of them selected per token."""
+
     def __init__(self, config: ShramConfig):
         super().__init__()
         self.router = Router(config)
         self.bea = BEA(config)
+        self.num_experts, self.num_selected = config.num_mosrah_heads, config.num_selected_heads
+        self.head_dim = config.head_dim
+
+    def step(self, h: torch.Tensor, routes: torch.Tensor, sparse_k: torch.Tensor, sparse_v: torch.Tensor,
+             ctx: StepContext) -> tuple[torch.Tensor, ...]:
+        """Routes the chunk, writes each token's key and value into its K experts' caches, attends
+        them and mixes the K outputs by the routing weights.
+
+        Args: h (B, C, d) normed hidden states; routes (B*(N+1), K) the routing history;
+            sparse_k, sparse_v (B*L*(T+1), u) the experts' caches.
+        Returns: (B, C, d) output, and routes, sparse_k, sparse_v (the same tensors when in place).
+        """
+        B, C, _ = h.shape
+        L, K, u, mode = self.num_experts, self.num_selected, self.head_dim, ctx.mode
+        W, N, T = L // K, routes.shape[0] // B - 1, ctx.slots.shape[0] - 1
+        # Experts taken in the open block, from the history. The read rows are disjoint from
+        # the rows this step writes (N >= C + W - 1), and every read feeds the write, so an
+        # onnxruntime output aliased to this input is written only after all reads.
+        if W > 1:
+            # gather, not index_select: a row's few history rows, with no op that the .pte's
+            # graph checks flag as a cache gathered per query
+            prev = routes.view(B, N + 1, K).gather(1, ctx.hist_idx)[..., None]  # (B, W-1, K, 1)
+            taken = ((prev == ctx.ar_l) & ctx.hist_open).view(B, (W - 1) * K, L).any(1)  # (B, L)
+        else:  # one token per block: nothing is ever taken
+            taken = torch.zeros(B, L, dtype=torch.bool, device=h.device)
+        idx, P = self.router(h, ctx.live, ctx.input_pos, taken, K, mode.per_token)
+        routes = write_rows(routes, ctx.route_rows, idx.reshape(B * C, K), mode.inplace)
+        held = (ctx.blocks_done + taken.long())[:, None, :]  # (B, 1, L) tokens per expert
+        hot = None
+        if C > 1:  # plus earlier tokens of the chunk (a static shape: there are none at decode)
+            chosen = idx.view(B, C, K, 1) == ctx.ar_l  # (B, C, K, L), made once per layer
+            sel = chosen.any(-2) & ctx.live[..., None]  # (B, C, L)
+            held = held + exclusive_cumsum(sel, mode.per_token)  # (B, C, L)
+            hot = chosen.to(h.dtype).view(B * C, K, L)  # for `attend_by_expert` and `bea.select`
+        slot = held.gather(-1, idx)  # (B, C, K) index in S_l
+        head = ctx.head_base + idx  # (B, C, K) row of (b, l) in the cache
+        wslot = torch.where(ctx.live[..., None] & (slot < T), slot, T)  # T is the sink
+        rows = (head * (T + 1) + wslot).reshape(-1)  # (B*C*K,)
+        pick = self.bea.select(idx, hot)  # once per layer: `project` and `output` both take it
+        qs, ks, vs = self.bea.project(h, pick)  # (B, C, K, u)
+        # main_sequence: the step's shared rows; semantic_sequence: at the index in S_l (B, C, K, u)
+        cos, sin = (ctx.main_cos, ctx.main_sin) if ctx.main_cos is not None else ctx.rope.sparse(slot)
+        qs, ks = apply_rope(qs, cos, sin), apply_rope(ks, cos, sin)
+        sparse_k = write_rows(sparse_k, rows, ks.reshape(-1, u), mode.inplace)
+        sparse_v = write_rows(sparse_v, rows, vs.reshape(-1, u), mode.inplace)
+        scale = ctx.rope.sparse_factor / math.sqrt(u)
+        if mode.per_token:
+            ys = attend_gathered(qs, sparse_k, sparse_v, head, slot, ctx.slots, scale)
+        else:
+            ys = attend_by_expert(qs, sparse_k, sparse_v, hot, held, ctx.slots, scale)
+        return self.bea.output(ys, P, pick), routes, sparse_k, sparse_v
 
 
 class HybridAttention(nn.Module):
@@ -148,8 +275,9 @@ class HybridAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Weights of one layer; `forward` applies the pre-norm residual structure around a given
-    attention function: a = x + g_attn * attn(norm(x)); x = a + g_mlp * mlp(norm(a))."""
+    """One layer: the pre-norm residual structure a = x + g_attn * attn(norm(x));
+    x = a + g_mlp * mlp(norm(a)) (`residual`), around the static step's attention (`step`) or
+    the uncached forward's (`model.py`)."""
 
     def __init__(self, config: ShramConfig):
         super().__init__()
@@ -166,6 +294,27 @@ class DecoderLayer(nn.Module):
             self.register_buffer("attn_residual_scale", fixed.clone())
             self.register_buffer("mlp_residual_scale", fixed.clone())
 
-    def forward(self, x: torch.Tensor, attn) -> torch.Tensor:
-        a = x + self.attn_residual_scale * attn(self.attn_norm(x))
+    def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The layer's output for its input x and attention output y = attn(attn_norm(x))."""
+        a = x + self.attn_residual_scale * y
         return a + self.mlp_residual_scale * self.mlp(self.mlp_norm(a))
+
+    def step(self, x: torch.Tensor, routes: torch.Tensor, local_k: torch.Tensor, local_v: torch.Tensor,
+             sparse_k: torch.Tensor, sparse_v: torch.Tensor, *ctx) -> tuple[torch.Tensor, ...]:
+        """The layer over a chunk of the static step, reading and writing its 5 state tensors.
+
+        Args: x (B, C, d); routes .. sparse_v the layer's state (`state.LayerState`); ctx
+            `StepContext.flat()`. WHY flat: the compiled steps run this as a nested compile region
+            (`step.step`), and Dynamo fingerprints a region's call for reuse by tracing pytree's
+            flatten of any tuple argument (seconds of a cold compile), not of flat tensors,
+            constants and modules.
+        Returns: (x,) in place, (x, *the new state) out of place: a flat tuple of tensors (Dynamo
+            reuses a region's trace only for such an output), without the mutated inputs in place
+            (a region rejects an output aliasing an input).
+        """
+        ctx = StepContext.of(ctx)
+        h = self.attn_norm(x)
+        y, local_k, local_v = self.attention.local_attention.step(h, local_k, local_v, ctx)
+        ys, routes, sparse_k, sparse_v = self.attention.sparse_attention.step(h, routes, sparse_k, sparse_v, ctx)
+        x = self.residual(x, y + ys)
+        return (x,) if ctx.mode.inplace else (x, routes, local_k, local_v, sparse_k, sparse_v)

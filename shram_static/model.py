@@ -23,7 +23,6 @@ from .config import ShramConfig
 from .generation import ShramGenerationMixin, default_compile_config
 from .layers import DecoderLayer, RMSNorm
 from .rope import RotaryTables, apply_rope
-from .routing import route
 from .validation import check_capacity, check_input_ids, check_mask
 
 
@@ -228,17 +227,15 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
         cos_l, sin_l = self.rope.local(pos)  # (B, N, u)
         routing = []
         for layer in self.model.layers:
-            def attn(h, layer=layer):
-                la = layer.attention.local_attention
-                q, k, v = la.qkv(h)  # (B, H, N, u)
-                q = apply_rope(q, cos_l[:, None], sin_l[:, None])
-                k = apply_rope(k, cos_l[:, None], sin_l[:, None])
-                y = la.out(masked_attention(q, k, v, local_bias, 1 / math.sqrt(cfg.head_dim), local_seen))
-                sa = layer.attention.sparse_attention
-                idx, P = route(h, sa.router.routing_weight, live, start, taken, cfg.num_selected_heads)
-                routing.append(torch.where(live[..., None], idx, -1))
-                return y + self._mosrah_dense(sa.bea, h, live, pos, idx, P, tri)
-            x = layer(x, attn)
+            h = layer.attn_norm(x)
+            la, sa = layer.attention.local_attention, layer.attention.sparse_attention
+            q, k, v = la.qkv(h)  # (B, H, N, u)
+            q = apply_rope(q, cos_l[:, None], sin_l[:, None])
+            k = apply_rope(k, cos_l[:, None], sin_l[:, None])
+            y = la.out(masked_attention(q, k, v, local_bias, 1 / math.sqrt(cfg.head_dim), local_seen))
+            idx, P = sa.router(h, live, start, taken, cfg.num_selected_heads)
+            routing.append(torch.where(live[..., None], idx, -1))
+            x = layer.residual(x, y + self._mosrah_dense(sa.bea, h, live, pos, idx, P, tri))
         return CausalLMOutput(logits=self.logits(x[:, -keep:] if keep else x),
                               selected_heads=torch.stack(routing) if output_routing else None)
 

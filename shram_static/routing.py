@@ -7,24 +7,22 @@ a routing block (a static Python int), handling the same step of every block at 
 """
 
 import torch
-import torch.nn.functional as F
 
 from .entmax import entmax12
 from .reductions import exclusive_cumsum, small_bmm
 
 
-def top_k(z: torch.Tensor, k: int, ranks: bool = False) -> torch.Tensor:
-    """Indices (..., k) of the k largest of z (..., L), largest first.
+def top_k(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (..., k) of the k largest of z (..., L), largest first."""
+    return z.topk(k, dim=-1).indices
 
-    Args:
-        ranks: count each expert's rank (the experts that beat it, a tie going to the lower
-            index) and pick ranks 0..k-1: compares and sums over L x L, which Inductor fuses into
-            the layer's kernel. WHY: `topk` is an aten fallback on CPU, a call out of the fused
-            kernel per use (one per layer at decode, W per layer at verify) with its own
-            allocations. Same indices as `topk` wherever the k largest are not tied.
-    """
-    if not ranks:
-        return z.topk(k, dim=-1).indices
+
+def top_k_ranks(z: torch.Tensor, k: int) -> torch.Tensor:
+    """`top_k` by counting each expert's rank (the experts that beat it, a tie going to the lower
+    index) and picking ranks 0..k-1: compares and sums over L x L, which Inductor fuses into the
+    layer's kernel. WHY: `topk` is an aten fallback on CPU, a call out of the fused kernel per use
+    (one per layer at decode, W per layer at verify) with its own allocations. Same indices as
+    `top_k` wherever the k largest are not tied."""
     ar = torch.arange(z.shape[-1], device=z.device)
     zi, zj = z[..., :, None], z[..., None, :]  # (..., L, 1), (..., 1, L)
     beats = (zj > zi) | ((zj == zi) & (ar < ar[:, None]))  # (..., L, L): expert j ranks before i
@@ -33,7 +31,7 @@ def top_k(z: torch.Tensor, k: int, ranks: bool = False) -> torch.Tensor:
 
 
 def block_select(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken: torch.Tensor,
-                 k: int, small: bool = False, fused: bool = False) -> torch.Tensor:
+                 k: int, small: bool = False, pick=top_k) -> torch.Tensor:
     """Block-balanced selection of K experts per live token.
 
     A row's live tokens form blocks of W = L/K tokens counted from the row's first live
@@ -49,7 +47,7 @@ def block_select(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken
         k: K, experts per token.
         small: a chunk of a few tokens (the verify step): its prefix sums and block products as
             fused reductions (`reductions.small_bmm`), the same selection.
-        fused: the top-k as ranks (`top_k`), for a step compiled by Inductor.
+        pick: the top-k function (`top_k`, or `top_k_ranks` for a step compiled by Inductor).
 
     Returns:
         idx: (B, C, K) int64 experts in top-k order (unspecified at dead tokens). The experts
@@ -62,7 +60,7 @@ def block_select(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken
         # `start % W` of its block, so it takes the top-K of the experts not yet taken, and the
         # block machinery below (cumsum, block one-hots, three bmm) reduces to a masked top-k.
         # The exported decode step runs every one of those ops as a portable kernel per layer.
-        return top_k(torch.where(taken[:, None], float("-inf"), z), k, fused)  # (B, 1, K)
+        return pick(torch.where(taken[:, None], float("-inf"), z), k)  # (B, 1, K)
     W = L // k
     ar = torch.arange(L, device=z.device)
     nb = (W + C - 2) // W + 1  # blocks a chunk of C tokens can touch
@@ -79,35 +77,25 @@ def block_select(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken
     for i in range(min(C, W)):
         act = live & (step == i)  # (B, C): at most one token per block
         tk = mm(blk_oh, taken_blk)  # (B, C, L) experts taken in each token's block
-        top = top_k(torch.where(tk > 0.5, float("-inf"), z), k, fused)  # (B, C, K)
+        top = pick(torch.where(tk > 0.5, float("-inf"), z), k)  # (B, C, K)
         idx = torch.where(act[..., None], top, idx)
         sel = (top[..., None] == ar).any(-2) & act[..., None]  # (B, C, L)
         taken_blk = taken_blk + mm(blk_oh.transpose(1, 2), sel.to(z.dtype))
     return idx
 
 
-def route(h: torch.Tensor, routing_weight: torch.Tensor, live: torch.Tensor, start: torch.Tensor,
-          taken: torch.Tensor, k: int, small: bool = False, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router of one layer: logits, entmax scores, block-balanced selection and weights.
+def route(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken: torch.Tensor, k: int,
+          dtype: torch.dtype, small: bool = False, pick=top_k) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router of one layer from its logits: entmax scores, block-balanced selection and weights.
 
     Args:
-        h: normed hidden states (B, C, d).
-        routing_weight: (L, d).
-        live, start, taken, k, small: as in `block_select`.
-        fused: for a step compiled by Inductor on CPU (`Router.fused`): the logits as row
-            reductions (as `RowLinear`) and the top-k as ranks, both fused into the layer's
-            kernel instead of an extern `mm` and an aten `topk` per layer.
+        z: router logits (B, C, L), fp32.
+        live, start, taken, k, small, pick: as in `block_select`.
+        dtype: the weights' dtype (the hidden states').
 
     Returns:
-        idx: (B, C, K) selected experts; P: (B, C, K) weights in h's dtype.
+        idx: (B, C, K) selected experts; P: (B, C, K) weights in `dtype`.
     """
-    if fused:
-        # rounded to h's dtype as F.linear's output is, then fp32 as below. One broadcast
-        # reduction, not RowLinear's stack of per-row reductions: for an (L, d) weight this
-        # small, one output buffer beats n row views in the wrapper (the verify step).
-        z = (h.float()[..., None, :] * routing_weight.float()).sum(-1).to(h.dtype).float()  # (B, C, L)
-    else:
-        z = F.linear(h, routing_weight).float()  # (B, C, L); linear, as XNNPACK delegates it
     if torch.is_grad_enabled() and z.requires_grad:
         # Training: `entmax12` is a fixed number of Newton steps whose autograd differentiates
         # the unrolled steps (through clamps and a starting point set by max(z)), not the
@@ -119,7 +107,7 @@ def route(h: torch.Tensor, routing_weight: torch.Tensor, live: torch.Tensor, sta
         scores = entmax.entmax_bisect(z, alpha=1.2)
     else:
         scores = entmax12(z)
-    idx = block_select(z, live, start, taken, k, small, fused)
+    idx = block_select(z, live, start, taken, k, small, pick)
     ps = scores.gather(-1, idx)  # (B, C, K)
     P = ps / ps.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-    return idx, P.to(h.dtype)
+    return idx, P.to(dtype)

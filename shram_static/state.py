@@ -38,7 +38,11 @@ from torch import nn
 
 from .config import ShramConfig
 
-LAYER_BUFFERS = ("routes", "local_k", "local_v", "sparse_k", "sparse_v")
+def write_rows(buf: torch.Tensor, rows: torch.Tensor, vals: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """`buf` with rows `rows` (1-D) set to `vals`: written in place (`inplace`), else a new tensor."""
+    if inplace:
+        return buf.index_put_((rows,), vals)
+    return buf.index_put((rows,), vals)
 
 
 def rollback_sizes(config: ShramConfig, prefill_chunk: int, rollback_limit: int | None = None) -> tuple[int, int, int]:

@@ -10,7 +10,8 @@ from helpers import compiled_test_model, random_config, randomize_
 from shram_static import ShramForCausalLM, StaticDecoder
 from shram_static.decoder import FEW_ROWS, RowExperts, RowLinear
 from shram_static.layers import BEA, Router
-from shram_static.routing import top_k
+from shram_static.fast_layers import FusedRouter
+from shram_static.routing import top_k, top_k_ranks
 
 TOL = 1e-3
 
@@ -154,8 +155,8 @@ def test_top_k_as_ranks_is_top_k(L, k):
     z[2, 1, 1:3] = z[2, 1, 0]  # a tie at the top
     want = torch.tensor([[sorted(range(L), key=lambda i: (-z[b, c, i].item(), i))[:k] for c in range(3)]
                          for b in range(5)])
-    for f in (top_k, torch.compile(top_k, fullgraph=True, dynamic=False)):
-        got = f(z, k, True)
+    for f in (top_k_ranks, torch.compile(top_k_ranks, fullgraph=True, dynamic=False)):
+        got = f(z, k)
         assert got.dtype == torch.long and torch.equal(got, want)
     torch.testing.assert_close(top_k(z[3:], k), want[3:], atol=0, rtol=0)  # untied rows: = topk
 
@@ -184,10 +185,11 @@ def test_decoders_never_alter_the_model(tied):
         assert len(experts) == model.config.num_decoder_layers
         assert all(w.data_ptr() in ptrs for m in experts for w in (*m.sources, m.o_proj))
         routers = [m for m in dec.module.model.modules() if isinstance(m, Router)]
-        assert len(routers) == model.config.num_decoder_layers and all(r.fused for r in routers)
+        assert len(routers) == model.config.num_decoder_layers and all(type(r) is FusedRouter for r in routers)
+        assert all(r.routing_weight.data_ptr() in ptrs for r in routers)
     eager = decs[0].module.model.modules()
-    assert not any(isinstance(m, (RowLinear, RowExperts)) or getattr(m, "fused", False) for m in eager)
-    assert not any(m.fused for m in model.modules() if isinstance(m, Router))
+    assert not any(isinstance(m, (RowLinear, RowExperts, FusedRouter)) for m in eager)
+    assert not any(isinstance(m, FusedRouter) for m in model.modules())
     # two eager decoders on one model, interleaved, each equal to the uncached forward
     model.eval()
     ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))

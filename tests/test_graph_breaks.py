@@ -109,7 +109,7 @@ def test_compiled_steps_never_recompile_and_match_eager(model, B):
     # ... and its C++ contracts multiply-adds into FMAs (decoder.FMA_CONTRACTION)
     assert contraction == ["fast"] * len(codes)
     # The decode step is fused C++ kernels only: its projections are row reductions (RowLinear),
-    # its router's logits and top-k fused (Router.fused), no cumsum at one token. An extern call
+    # its router's logits and top-k fused (FusedRouter), no cumsum at one token. An extern call
     # or an aten fallback here is a call out of the layer's kernel per layer and step.
     for call in ("extern_kernels.", "aten.topk", "aten.cumsum", "aten.mm", "aten.bmm"):
         assert call not in codes[-1], f"the compiled decode step calls {call}"

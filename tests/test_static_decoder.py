@@ -2,27 +2,49 @@
 forward's logits and routing (golden cases and random configs); errors leave state untouched;
 memory is static."""
 
+import contextlib
+
 import pytest
 import torch
 
 from helpers import GOLDEN_CASES, golden_case, random_config, randomize_
 from shram_static import CapacityError, ShramForCausalLM, StaticDecoder, state_bytes
+from shram_static.layers import Router
 
 TOL = 1e-3
+
+
+@contextlib.contextmanager
+def recorded_routing(model):
+    """Within the block, each step's routing of an eager decoder's `model` is appended to the
+    list it yields: (layers, B, C, K) experts, -1 at dead tokens (a forward hook on each router)."""
+    steps, layers = [], []
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+
+    def record(router, args, out):  # args: (h, live, start, taken, k, ...); out: (idx, P)
+        layers.append(torch.where(args[1][..., None], out[0], -1))
+        if len(layers) == len(routers):
+            steps.append(torch.stack(layers))
+            layers.clear()
+    hooks = [r.register_forward_hook(record) for r in routers]
+    try:
+        yield steps
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def run_split(dec: StaticDecoder, ids, mask, split, active=None):
     """Feeds (ids, mask) through `dec` as prefill calls of the given lengths, then one decode
     step per remaining position. Returns logits (B, N, V) and routing (layers, B, N, K)."""
-    dec.module.routing_log = []
     out, t = [], 0
-    for n in split:
-        out.append(dec.prefill(ids[:, t:t + n], mask[:, t:t + n]))
-        t += n
-    for t in range(t, ids.shape[1]):
-        out.append(dec.decode(ids[:, t], mask[:, t])[:, None])
-    routing = torch.cat(dec.module.routing_log, dim=2)  # chunks are padded: keep live slots
-    dec.module.routing_log = None
+    with recorded_routing(dec.module.model) as steps:
+        for n in split:
+            out.append(dec.prefill(ids[:, t:t + n], mask[:, t:t + n]))
+            t += n
+        for t in range(t, ids.shape[1]):
+            out.append(dec.decode(ids[:, t], mask[:, t])[:, None])
+    routing = torch.cat(steps, dim=2)  # chunks are padded: keep live slots
     return torch.cat(out, 1), routing
 
 
@@ -47,8 +69,9 @@ SPLITS = {  # (prefill chunk, prefill call lengths); the rest is decoded token b
 }
 
 
-# How a step of C > 1 tokens attends (`step.step`'s per_token_max): per expert (prefill) or per
-# token (the verify step; here by making it at least the chunk). Both must give the same logits.
+# How a step of C > 1 tokens attends (`StepMode.per_token`, from `step.step`'s per_token_max): per
+# expert (prefill) or per token (the verify step; here by making it at least the chunk). Both
+# must give the same logits.
 PATHS = {"per_expert": lambda chunk: None, "per_token": lambda chunk: max(chunk, 2)}
 
 

@@ -17,7 +17,7 @@ from helpers import DATA
 from shram_static import ShramForCausalLM
 from shram_static.cli import main
 from shram_static.data import BOS, BatchSampler, byte_stream, eval_windows, read_works, split_works
-from shram_static.routing import route
+from shram_static.routing import route as route_logits
 from shram_static.train import HPARAMS, lr_at
 
 CORPUS = os.path.join(DATA, "shakespeare")  # a few KB of 5 works, the 3 validation works among them
@@ -104,6 +104,11 @@ def test_lr_schedule():
     assert lr_at(100, hp) == pytest.approx(0.1)
     lrs = [lr_at(s, hp) for s in range(10, 101)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def route(h, w, live, start, taken, k):
+    """The router of a layer with weight w (`layers.Router.forward`)."""
+    return route_logits(F.linear(h, w).float(), live, start, taken, k, h.dtype)
 
 
 def test_router_training_gradient_is_the_entmax_gradient():
