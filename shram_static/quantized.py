@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from . import int_kernels
-from .fast_layers import swap_linears_
+from .fast_layers import shared_copy, swap_linears_
 
 QUANTIZE_MODES = ("int8", "int4")
 GROUP = int_kernels.BLOCK  # inputs per weight scale (q4_0's and q8_0's block)

@@ -87,7 +87,9 @@ def test_bits_per_byte_of_held_out_text(builtin, mode):
     assert ref < q < ref * (1 + BPB_BOUNDS[mode]) or abs(q - ref) < ref * BPB_BOUNDS[mode]
     dec = StaticDecoder(model, quantize=mode)
     got = score_bytes(dec, data, None, False)["bits_per_byte"]
-    assert got == pytest.approx(q, rel=1e-4)
+    # not 1e-4: chunked and whole-text float sums differ by ulps, and an activation that crosses
+    # a rounding boundary of its int8 block moves by a quantization step
+    assert got == pytest.approx(q, rel=1e-3)
 
 
 @pytest.mark.parametrize("mode,kl_max,rel_max", [("int8", 0.005, 0.25), ("int4", 0.06, 0.8)])
@@ -132,7 +134,10 @@ def test_compiled_quantized_step(builtin, mode):
             got.append(dec.decode(ids[:, i]).reshape(-1, V)[-1])
     got = torch.stack(got)
     want = ref[n - 1:]  # after the prompt, then after each fed token
-    assert torch.allclose(got, want, atol=2e-3, rtol=1e-3)
+    # WHY not ulps: each row is quantized to int8 per block, and the compiled step's float
+    # differences (fused multiply-adds) move a few activations across a rounding boundary, one
+    # quantization step each (observed up to 0.073 here; a wrong weight or block is off by units)
+    assert torch.allclose(got, want, atol=0.15, rtol=0)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     out = dec.generate(ids[:, :n], max_new_tokens=8)
     with torch.no_grad():
