@@ -25,6 +25,12 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__GNUC__)
+#define SHRAM_INLINE inline __attribute__((always_inline))
+#else
+#define SHRAM_INLINE inline
+#endif
+
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
 #include <immintrin.h>
 #define SHRAM_X86 1
@@ -63,28 +69,38 @@ inline void store_row(const Args& a, int64_t ob, int64_t r, const float* v) {
   std::memcpy(a.y + r * a.N + o0, v, m * sizeof(float));
 }
 
-// Row r's quantization: blocks of 32 (zeros past K), scale amax / 127, q = round(x / scale).
-void quantize_rows(const float* x, int64_t n, int64_t K, int64_t G, int8_t* xq, float* xd, int32_t* xs) {
+// Row r's quantization: blocks of 32 (zeros past K), scale amax / 127, q = round(x / scale) half
+// to even (as torch.round), by adding and subtracting 1.5 * 2^23: exact for |v| <= 127, and a
+// loop the compiler vectorizes for each path's ISA (nearbyint is a library call).
+SHRAM_INLINE void quantize_rows_body(const float* x, int64_t n, int64_t K, int64_t G,
+                                                              int8_t* xq, float* xd, int32_t* xs) {
+  constexpr float MAGIC = 12582912.f;
   for (int64_t r = 0; r < n; ++r) {
     for (int64_t g = 0; g < G; ++g) {
       const float* xb = x + r * K + g * BLK;
       int64_t m = std::min<int64_t>(BLK, K - g * BLK);
+      float v[BLK];
+      for (int64_t k = 0; k < BLK; ++k) v[k] = k < m ? xb[k] : 0.f;
       float amax = 0.f;
-      for (int64_t k = 0; k < m; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      for (int64_t k = 0; k < BLK; ++k) amax = std::max(amax, std::fabs(v[k]));
       float d = amax / 127.f;
       float id = d != 0.f ? 1.f / d : 0.f;
       int8_t* q = xq + r * G * BLK + g * BLK;
       int32_t sum = 0;
       for (int64_t k = 0; k < BLK; ++k) {
-        float v = k < m ? std::nearbyint(xb[k] * id) : 0.f;  // round half to even, as torch.round
-        v = std::min(127.f, std::max(-127.f, v));
-        q[k] = static_cast<int8_t>(v);
+        float t = (v[k] * id + MAGIC) - MAGIC;
+        t = std::min(127.f, std::max(-127.f, t));
+        q[k] = static_cast<int8_t>(static_cast<int32_t>(t));
         sum += q[k];
       }
       xd[r * G + g] = d;
       xs[r * G + g] = sum;
     }
   }
+}
+
+void quantize_rows(const float* x, int64_t n, int64_t K, int64_t G, int8_t* xq, float* xd, int32_t* xs) {
+  quantize_rows_body(x, n, K, G, xq, xd, xs);
 }
 
 template <int R>
@@ -226,6 +242,18 @@ __attribute__((target("avx2,f16c"))) void tile_avx2(const Args& a, int64_t ob, i
 
 #endif
 
+#ifdef SHRAM_X86
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void quantize_rows_avx512(
+    const float* x, int64_t n, int64_t K, int64_t G, int8_t* xq, float* xd, int32_t* xs) {
+  quantize_rows_body(x, n, K, G, xq, xd, xs);
+}
+
+__attribute__((target("avx2,f16c"))) void quantize_rows_avx2(const float* x, int64_t n, int64_t K, int64_t G,
+                                                              int8_t* xq, float* xd, int32_t* xs) {
+  quantize_rows_body(x, n, K, G, xq, xd, xs);
+}
+#endif
+
 int best_isa() {
 #ifdef SHRAM_X86
   __builtin_cpu_init();
@@ -272,7 +300,15 @@ at::Tensor int_linear(const at::Tensor& x_, const at::Tensor& packed, const at::
   std::vector<int8_t> xq(n * G * BLK);
   std::vector<float> xd(n * G);
   std::vector<int32_t> xs(n * G);
-  quantize_rows(x.data_ptr<float>(), n, K, G, xq.data(), xd.data(), xs.data());
+  const float* xp = x.data_ptr<float>();
+#ifdef SHRAM_X86
+  if (use == AVX512_VNNI)
+    quantize_rows_avx512(xp, n, K, G, xq.data(), xd.data(), xs.data());
+  else if (use == AVX2)
+    quantize_rows_avx2(xp, n, K, G, xq.data(), xd.data(), xs.data());
+  else
+#endif
+    quantize_rows(xp, n, K, G, xq.data(), xd.data(), xs.data());
   Args a{packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()),
          xq.data(), xd.data(), xs.data(), y.data_ptr<float>(), n, N, G, bits};
   // at least ~32 KB of weights per thread: smaller pieces cost more to hand out than they save
