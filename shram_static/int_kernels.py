@@ -32,7 +32,8 @@ LANES = 16  # outputs per block of the packed weight
 ISAS = {"portable": 1, "avx2": 2, "avx512_vnni": 3}  # the op's `isa` codes (0: the best)
 ENV = "SHRAM_STATIC_INT_KERNELS"
 SOURCE = Path(__file__).parent / "csrc" / "int_linear.cpp"
-CFLAGS = ["-O3", "-ffp-contract=off"]  # WHY no contraction: the same float sequence on every path
+# WHY no contraction: the same float sequence on every path
+CFLAGS = ["/O2", "/fp:precise"] if sys.platform == "win32" else ["-O3", "-ffp-contract=off"]
 
 ISA: int | None = None  # after `load`: the op's `isa` argument for the layers, or None (float path)
 _loaded: bool | None = None  # whether `load` has run in this process (and its result)
