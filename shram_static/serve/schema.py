@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
+from ..sampling import BIAS_LIMIT, PENALTY_LIMIT
+
 
 class APIError(Exception):
     """An error answered as OpenAI's `{"error": {...}}` object.
@@ -109,7 +111,7 @@ class StreamOptions(_Strict):
 
 
 TokenId = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")]  # a token id, as JSON keys are
-Bias = Annotated[float, Field(ge=-100, le=100)]
+Bias = Annotated[float, Field(ge=-BIAS_LIMIT, le=BIAS_LIMIT)]
 
 
 class _Sampling(_Strict):
@@ -128,8 +130,8 @@ class _Sampling(_Strict):
     # OpenAI's adjustments of each step's logits (sampling.Sampler), and the repetition
     # penalty of vLLM and llama.cpp
     logit_bias: dict[TokenId, Bias] | None = None
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    frequency_penalty: float | None = Field(None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
     repetition_penalty: float | None = Field(None, gt=0, le=1e6)
     user: Text | None = None  # an end-user id: accepted, it changes nothing
 
