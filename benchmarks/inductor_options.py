@@ -20,22 +20,15 @@ import json
 import statistics
 import sys
 import time
-import types
 
 import torch
 
 
-def compiled_decoder(model, options: dict, tag: str):
-    """A batch-1 compiled StaticDecoder whose decode and verify steps use `options` (+ the
-    verify step's ROW_INPUTS_STORED), each a new code object so that it compiles on its own."""
+def compiled_decoder(model, options: dict):
+    """A batch-1 compiled StaticDecoder whose steps add `options` to their own (each decoder's
+    steps are code objects of its own: they compile on their own)."""
     from shram_static import decoder as D
-    dec = D.StaticDecoder(model, batch_size=1, prefill_chunk=32, compile=True, verify_len=5)
-    for step, extra in (("decode_step", {}), ("verify_step", D.ROW_INPUTS_STORED)):
-        src = getattr(D.StaticDecoder, "_" + step)
-        fn = types.FunctionType(src.__code__.replace(co_name=f"{step}_{tag}"), src.__globals__)
-        setattr(dec, step, torch.compile(types.MethodType(fn, dec), fullgraph=True, dynamic=False,
-                                         options={**options, **extra}))
-    return dec
+    return D.StaticDecoder(model, batch_size=1, prefill_chunk=32, compile=True, verify_len=5, options=options)
 
 
 @contextlib.contextmanager
@@ -74,7 +67,7 @@ def main(argv=None) -> int:
     V = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     ids, prompt = torch.randint(0, V, (1, 5), generator=gen), torch.randint(0, V, (1, args.context), generator=gen)
-    sides = {"A": compiled_decoder(model, base, "a"), "B": compiled_decoder(model, other, "b")}
+    sides = {"A": compiled_decoder(model, base), "B": compiled_decoder(model, other)}
     one, five = torch.ones(1, 1, dtype=torch.bool), torch.ones(1, 5, dtype=torch.bool)
     logits = {}  # side -> (decode logits, verify logits) at the same position
     for name, dec in sides.items():

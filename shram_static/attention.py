@@ -83,16 +83,16 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
 def attend_gathered(qs: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, head: torch.Tensor,
                     slot: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
     """Sparse attention of a few tokens per row, each token's K expert caches gathered: qs
-    (B, C, K, u) at the selected experts, sk, sv (B*L*(T+1), u) the written caches, head (B, C, K)
-    each one's (row, expert) cache, slot (B, C, K) the last slot it sees there, slots (T+1,)
-    float32 slot numbers (`slot_bias`) -> (B, C, K, u). Every query sees at least slot 0 of its
-    expert: no `seen` multiplier."""
+    (B, C, K, u) at the selected experts, sk, sv (B*L, P, u) the first P slots of every (row,
+    expert) cache (written), head (B, C, K) each one's (row, expert) cache, slot (B, C, K) the
+    last slot it sees there, slots (P,) float32 slot numbers (`slot_bias`) -> (B, C, K, u).
+    Every query sees at least slot 0 of its expert: no `seen` multiplier."""
     B, C, K, u = qs.shape
-    T1 = slots.shape[0]
+    P = slots.shape[0]
     hsel = head.reshape(-1)
-    kc = sk.view(-1, T1, u).index_select(0, hsel).view(B, C, K, T1, u)
-    vc = sv.view(-1, T1, u).index_select(0, hsel).view(B, C, K, T1, u)
-    bias = slot_bias(slot[..., None], slots, qs.dtype)[..., None, :]  # (B, C, K, 1, T+1)
+    kc = sk.index_select(0, hsel).view(B, C, K, P, u)
+    vc = sv.index_select(0, hsel).view(B, C, K, P, u)
+    bias = slot_bias(slot[..., None], slots, qs.dtype)[..., None, :]  # (B, C, K, 1, P)
     return masked_attention(qs[..., None, :], kc, vc, bias, scale)[..., 0, :]
 
 
@@ -108,7 +108,8 @@ def attend_by_expert(qs: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, hot: 
     token per row the K gathered caches are fewer bytes than all L, so decode keeps the gather.
 
     Args:
-        qs: (B, C, K, u) queries at the selected experts; sk, sv: (B*L*(T+1), u) written caches.
+        qs: (B, C, K, u) queries at the selected experts; sk, sv: (B*L, P, u) the first P slots
+            of every (row, expert) cache, written.
         hot: (B*C, K, L) the selected experts, one-hot in qs's dtype; held: (B, C, L) the slot
             each token has (or would have) in each expert, the last one it may see; slots, scale:
             as in `attend_gathered`.
@@ -117,12 +118,12 @@ def attend_by_expert(qs: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, hot: 
         (B, C, K, u) attention outputs, as `attend_gathered` gives them.
     """
     B, C, K, u = qs.shape
-    L, T1 = hot.shape[-1], slots.shape[0]
+    L, P = hot.shape[-1], slots.shape[0]
     # rows move between the K and L layouts as batched matmuls with the one-hot: exact (one 1 per
     # selected row, finite zeros elsewhere) and inside the XNNPACK delegate
     qg = torch.bmm(hot.transpose(1, 2), qs.reshape(B * C, K, u))  # (BC, L, u), 0 where not selected
     qg = qg.view(B, C, L, u).transpose(1, 2)  # (B, L, C, u)
     # cast before the transpose: XNNPACK transposes floats, an int64 one is a portable kernel
-    bias = slot_bias(held.float().transpose(1, 2)[..., None], slots, qs.dtype)  # (B, L, C, T+1)
-    y = masked_attention(qg, sk.view(B, L, T1, u), sv.view(B, L, T1, u), bias, scale)  # (B, L, C, u)
+    bias = slot_bias(held.float().transpose(1, 2)[..., None], slots, qs.dtype)  # (B, L, C, P)
+    y = masked_attention(qg, sk.view(B, L, P, u), sv.view(B, L, P, u), bias, scale)  # (B, L, C, u)
     return torch.bmm(hot, y.transpose(1, 2).reshape(B * C, L, u)).view(B, C, K, u)

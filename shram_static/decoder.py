@@ -1,6 +1,7 @@
 """`StaticDecoder`: the static steps in PyTorch, eager or `torch.compile(fullgraph=True)`."""
 
 import contextlib
+import types
 
 import torch
 import torch._inductor.config  # noqa: F401 -- read below for the FP-contraction option
@@ -8,10 +9,11 @@ import torch._inductor.config  # noqa: F401 -- read below for the FP-contraction
 from . import accelerators
 # RowLinear: also importable from here, where the decoder that uses it lives
 from .fast_layers import FEW_ROWS, RowExperts, RowLinear, row_linear_, shared_copy  # noqa: F401
+from .console import info
 from .host import HostDecoder
 from .quantized import Int4Linear, Int8Linear, check_quantize, quantize_linears_
-from .state import StaticState
-from .step import StepModule
+from .state import MIN_PREFIX, StaticState, prefix_len, prefix_lengths
+from .step import StepModule, slot_numbers
 from .validation import check_verify_len
 
 
@@ -40,6 +42,7 @@ NO_SIZE_ASSERTS = {"size_asserts": False}
 FMA_CONTRACTION = ({"cpp.enable_floating_point_contract_flag": "fast"}
                    if hasattr(torch._inductor.config.cpp, "enable_floating_point_contract_flag") else {})
 STEP_OPTIONS = {**NO_SIZE_ASSERTS, **FMA_CONTRACTION}  # what every compiled step is built with
+KINDS = ("decode", "prefill", "verify", "prefill_last")  # the kinds of step (`StaticDecoder.step_function`)
 
 
 class StaticDecoder(HostDecoder):
@@ -50,7 +53,7 @@ class StaticDecoder(HostDecoder):
         batch_size: B rows.
         prefill_chunk: C tokens per prefill step (prompts are split into C-token chunks).
         compile: wrap each step in `torch.compile(fullgraph=True, dynamic=False)`; each
-            compiles once, on first use. With batch_size <= FEW_ROWS on CPU the compiled steps
+            compiles once, on first use (a collection of `KINDS`: only those kinds). With batch_size <= FEW_ROWS on CPU the compiled steps
             run their projections as `RowLinear` and their experts as `RowExperts` on the
             decoder's own `shared_copy` of the model (same weight tensors, and its own copy of
             each projection's weight in a packed layout and of the experts' q, k and v side by
@@ -73,19 +76,22 @@ class StaticDecoder(HostDecoder):
             projection and the lm_head; int8 per output channel, int4 in groups of 32 inputs),
             made once here from the model's weights (later changes to them are not followed).
             Eager and compiled; the model passed in is not modified.
+        options: Inductor options added to every compiled step's own (`torch.compile`'s).
 
-    The decode step is `decode_step(tokens (B, 1), input_pos (B,), live (B, 1))`, the prefill
-    step `prefill_step(tokens (B, C), input_pos (B,), live (B, C))`; both return logits
-    (B, 1 or C, V) and update `self.state` in place. `verify_step` takes verify_len tokens per
-    row, and `prefill_last_step` a chunk as `prefill_step` does but returns (B, 1, V) logits at
-    each row's last live token (`prefill`/`step` with `last_only=True`). Each compiles on its
-    first call.
+    Each step runs over the first P slots of every expert's cache, the shortest of
+    `prefix_lengths` that holds every row's live slots (`state.prefix_len`), so a step's cost
+    follows the rows' depth, not the capacity. `step_function(kind)` is one kind of step (decode,
+    prefill, verify, prefill_last: a prompt chunk's logits at each row's last live token) at
+    every length; each compiles on its first call, or ahead in `warm_up`.
     """
 
-    def __init__(self, model, batch_size: int = 1, prefill_chunk: int = 32, compile: bool = False,
+    def __init__(self, model, batch_size: int = 1, prefill_chunk: int = 32, compile=False,
                  eos_token_id: int | None = None, verify_len: int | None = 5,
-                 rollback_limit: int | None = None, quantize: str | None = None):
+                 rollback_limit: int | None = None, quantize: str | None = None, options: dict | None = None):
         super().__init__(model.config, batch_size, prefill_chunk, eos_token_id)
+        kinds = set(KINDS) if compile is True else set(compile or ())
+        if not kinds <= set(KINDS):
+            raise ValueError(f"compile must be a bool or a collection of {KINDS}, got {compile!r}")
         check_verify_len(verify_len)
         check_quantize(quantize)
         p = next(model.parameters())
@@ -101,7 +107,7 @@ class StaticDecoder(HostDecoder):
         # Inductor reads the gathered caches in place (exports, where a gather is a copy, do not).
         few = verify_len or 1
         decode_options = STEP_OPTIONS
-        if compile and batch_size <= FEW_ROWS and p.device.type == "cpu":
+        if kinds and batch_size <= FEW_ROWS and p.device.type == "cpu":
             # every compiled step on the swapped copy: decode and verify rows as row reductions,
             # a prefill chunk's projections as F.linear and its experts as one batched matmul
             # (RowExperts), the last-token head of a prompt chunk over B rows
@@ -118,62 +124,99 @@ class StaticDecoder(HostDecoder):
         self._row_owner = [m for m in packers for _ in m.sources]  # the packer of each weight
         self._row_weights = [w for m in packers for w in m.sources]
         self._row_stamps = _stamps(self._row_weights)
-        self.compiled = compile
+        self.compiled = bool(kinds)
+        self._compiled_kinds = kinds
+        self._dynamic: set[str] = set()  # the compiled kinds that have been called
         self._held: set[str] | None = None  # inside `steady`: the steps whose weights were checked there
-        if compile:
+        # each kind of step's Inductor options: the verify step (a few tokens per row) reads each
+        # RowLinear weight once for all its rows, as a decode step of several rows does
+        self._options = {k: {**o, **(options or {})} for k, o in (
+            ("decode", decode_options), ("prefill", STEP_OPTIONS), ("prefill_last", STEP_OPTIONS),
+            ("verify", {**STEP_OPTIONS, **ROW_INPUTS_STORED}))}
+        # one compiled graph serves every length: the slot numbers are an input of dynamic size
+        self.prefix_lengths = prefix_lengths(model.config, MIN_PREFIX)
+        self._block = model.config.block_length
+        self._slots = slot_numbers(model.config.mosrah_cache_length, p.device)  # (T + 1,)
+        self._steps: dict[str, object] = {}  # kind -> its step function
+        if kinds:
             accelerators.prepare_compile(p.device.type)  # ISA check beside the first trace; batched builds
-            # Separate compiled functions (one code object each), so each step owns exactly
-            # one graph and no shape ever triggers a recompile of another.
-            self.decode_step = torch.compile(self._decode_step, fullgraph=True, dynamic=False,
-                                             options=decode_options)
-            self.prefill_step = torch.compile(self._prefill_step, fullgraph=True, dynamic=False,
-                                              options=STEP_OPTIONS)
-            # A third code object for the verify step (a few tokens per row: RowLinear's fused
-            # row reductions read each weight once, as at decode).
-            self.verify_step = torch.compile(self._verify_step, fullgraph=True, dynamic=False,
-                                             options={**STEP_OPTIONS, **ROW_INPUTS_STORED})
-            # A fourth for a prompt's chunks, which need logits at each row's last token only
-            # (`prefill(last_only=True)` and `step(last_only=True)`: generation and the server).
-            # Its cold compile costs what the prefill step's does (Inductor compiles the layer
-            # region inside each step's graph); a caller that only generates compiles this one
-            # and never the other.
-            self.prefill_last_step = torch.compile(self._prefill_last_step, fullgraph=True, dynamic=False,
-                                                   options=STEP_OPTIONS)
-        else:
-            self.decode_step = self._decode_step
-            self.prefill_step = self._prefill_step
-            self.verify_step = self._verify_step
-            self.prefill_last_step = self._prefill_last_step
 
-    def _decode_step(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        return self.module(tokens, input_pos, live)
+    def step_function(self, kind: str):
+        """The function that runs one kind of step, made on first request:
+        `tokens (B, C), input_pos (B,), live (B, C), slots (P,) -> logits`, over the first P
+        slots of the sparse caches (`step.step`'s slots: `slot_numbers(T)[:P]`).
 
-    def _prefill_step(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        return self.module(tokens, input_pos, live)
+        A compiled kind is a `torch.compile(fullgraph=True, dynamic=False)` function of its own
+        code object, so no kind's shapes ever recompile another's; P is its one dynamic size, so
+        one graph serves every length. It compiles on its first call (or in `warm_up`).
 
-    def _verify_step(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        return self.module(tokens, input_pos, live)
+        Args:
+            kind: "decode" (C = 1), "prefill" (C = prefill_chunk), "verify" (C = verify_len) or
+                "prefill_last" (a prefill chunk, logits at each row's last live token).
 
-    def _prefill_last_step(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        return self.module(tokens, input_pos, live, last_only=True)
+        Returns:
+            the step function.
+        """
+        fn = self._steps.get(kind)
+        if fn is not None:
+            return fn
+        if kind not in KINDS:
+            raise ValueError(f"no {kind!r} step: the kinds are {KINDS}")
+        module, last_only = self.module, kind == "prefill_last"
+
+        def run(tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+            return module(tokens, input_pos, live, last_only=last_only, slots=slots)
+        if kind in self._compiled_kinds:
+            # WHY a new code object: Dynamo keeps its compiled graphs per code object, so the
+            # closures of `run` (of every kind and decoder) would share one cache and recompile
+            name = f"{kind}_step"
+            code = run.__code__.replace(co_name=name, co_qualname=name)
+            run = torch.compile(types.FunctionType(code, run.__globals__, name, None, run.__closure__),
+                                fullgraph=True, dynamic=False, options=self._options[kind])
+        self._steps[kind] = run
+        return run
+
+    def warm_up(self, kinds=("decode", "prefill_last")) -> None:
+        """Compiles (or, eager, runs) each kind of step ahead of use, on dead tokens, which
+        change no state (they write only the sink rows).
+
+        Args:
+            kinds: the kinds of step (`step_function`); "verify" only with a verify step.
+        """
+        B, d = self.batch_size, self.device
+        widths = {"decode": 1, "prefill": self.prefill_chunk, "prefill_last": self.prefill_chunk,
+                  "verify": self.verify_len}
+        for kind in kinds:
+            C = widths.get(kind, 0)
+            if C is None:
+                raise ValueError("warm_up('verify') needs a decoder built with verify_len")
+            info(f"warming up the {kind} step")
+            self._run(torch.zeros(B, C, dtype=torch.long), self._counts.live, torch.zeros(B, C, dtype=torch.bool),
+                      kind)
 
     def _run_last(self, tokens, input_pos, live):
         return self._run(tokens, input_pos, live, "prefill_last")
 
     @torch.no_grad()
-    def _run(self, tokens, input_pos, live, key: str | None = None):
+    def _run(self, tokens, input_pos, live, kind: str | None = None):
         C = tokens.shape[1]
-        key = key or ("decode" if C == 1 else "prefill" if C == self.prefill_chunk else "verify")
-        fn = {"decode": self.decode_step, "prefill": self.prefill_step, "verify": self.verify_step,
-              "prefill_last": self.prefill_last_step}[key]
+        kind = kind or ("decode" if C == 1 else "prefill" if C == self.prefill_chunk else "verify")
+        fn = self._steps.get(kind) or self.step_function(kind)
+        # every live slot of every row fits: at most max(input_pos) + C tokens after the step
+        slots = self._slots[:prefix_len(self.prefix_lengths, self._block, int(input_pos.max()) + C)]
         d = self.device
-        args = tokens.to(d), input_pos.to(d), live.to(d)
-        if not self.compiled:
+        args = tokens.to(d), input_pos.to(d), live.to(d), slots
+        if kind not in self._compiled_kinds:
             return fn(*args)
-        if self._held is None or key not in self._held:
+        if kind not in self._dynamic:  # its first call compiles: P a dynamic size
+            if len(self.prefix_lengths) > 1:
+                torch._dynamo.mark_dynamic(slots, 0, min=self.prefix_lengths[0], max=self.prefix_lengths[-1])
+            self._dynamic.add(kind)
+        if self._held is None or kind not in self._held:
             self._repack_changed()
             if self._held is not None:
-                self._held.add(key)
+                self._held.add(kind)
         return fn(*args)
 
     def _repack_changed(self) -> None:

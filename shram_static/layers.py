@@ -51,7 +51,9 @@ class StepContext(NamedTuple):
     blocks_done: torch.Tensor  # (B, 1) input_pos // W: tokens each expert held at closed blocks
     head_base: torch.Tensor  # (B, 1, 1) b * L, the row's first (b, l) cache head
     ar_l: torch.Tensor  # arange(L)
-    slots: torch.Tensor  # (T + 1,) float32 arange(T), then 2**24 at the sink (past every slot: never attended)
+    # (P,) float32 slot numbers of the sparse slots attended: arange(P), P >= every row's live
+    # slots (`prefix_len`); at P = T + 1 the sink too, numbered 2**24 (past every slot: never attended)
+    slots: torch.Tensor
     rope: nn.Module  # the model's `RotaryTables` (semantic_sequence: sparse rows at each slot)
     mode: StepMode
 
@@ -228,7 +230,7 @@ class MoSRAH(nn.Module):
         """
         B, C, _ = h.shape
         L, K, u, mode = self.num_experts, self.num_selected, self.head_dim, ctx.mode
-        W, N, T = L // K, routes.shape[0] // B - 1, ctx.slots.shape[0] - 1
+        W, N, T = L // K, routes.shape[0] // B - 1, sparse_k.shape[0] // (B * L) - 1
         # Experts taken in the open block, from the history. The read rows are disjoint from
         # the rows this step writes (N >= C + W - 1), and every read feeds the write, so an
         # onnxruntime output aliased to this input is written only after all reads.
@@ -260,10 +262,17 @@ class MoSRAH(nn.Module):
         sparse_k = write_rows(sparse_k, rows, ks.reshape(-1, u), mode.inplace)
         sparse_v = write_rows(sparse_v, rows, vs.reshape(-1, u), mode.inplace)
         scale = ctx.rope.sparse_factor / math.sqrt(u)
+        # the first P slots of each cache (P >= every live slot: `StepContext.slots`). WHY not
+        # sliced in an export of the whole cache: a slice of the whole dim is still a copy in
+        # ExecuTorch; and no test of P under Dynamo, where P may be a dynamic size
+        n = ctx.slots.shape[0]
+        kc, vc = (c.view(B * L, T + 1, u) for c in (sparse_k, sparse_v))
+        if not torch.compiler.is_exporting() or n < T + 1:
+            kc, vc = kc[:, :n], vc[:, :n]
         if mode.per_token:
-            ys = attend_gathered(qs, sparse_k, sparse_v, head, slot, ctx.slots, scale)
+            ys = attend_gathered(qs, kc, vc, head, slot, ctx.slots, scale)
         else:
-            ys = attend_by_expert(qs, sparse_k, sparse_v, hot, held, ctx.slots, scale)
+            ys = attend_by_expert(qs, kc, vc, hot, held, ctx.slots, scale)
         return self.bea.output(ys, P, pick), routes, sparse_k, sparse_v
 
 

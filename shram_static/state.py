@@ -33,6 +33,8 @@ starts a fresh sequence without clearing any buffer (stale slots are masked out)
 ExecuTorch runner expects.
 """
 
+import bisect
+
 import torch
 from torch import nn
 
@@ -59,6 +61,52 @@ def rollback_sizes(config: ShramConfig, prefill_chunk: int, rollback_limit: int 
         raise ValueError(f"rollback_limit must be a non-negative int or None, got {rollback_limit!r}")
     Nr = max(prefill_chunk, rollback_limit or 0)
     return Nr, config.window_size + Nr - 1, Nr + config.block_length - 1
+
+
+# The shortest prefix of the sparse caches a step attends (`prefix_lengths`).
+MIN_PREFIX = 64
+
+
+def prefix_lengths(config: ShramConfig, spacing: int | None = None) -> tuple[int, ...]:
+    """The prefix lengths a step may attend of each expert's cache (T + 1 slots, the sink
+    last), then the whole cache: a step over P slots costs about P/(T+1) of the whole
+    capacity's sparse attention (docs/design.md, "Prefix lengths").
+
+    Args:
+        config: the model config (`mosrah_cache_length` T).
+        spacing: None: powers of two from MIN_PREFIX while at most half the cache (an exported
+            program's methods, one per length), the last the whole cache, T + 1; else the
+            multiples of `spacing` below T, then T (the compiled steps: one graph for every
+            length, where P = T + 1, the whole dim, would be a graph of its own; no live slot
+            is ever past T - 1).
+
+    Returns:
+        the lengths, ascending.
+    """
+    T1 = config.mosrah_cache_length + 1
+    if spacing is not None:
+        return (*range(spacing, T1 - 1, spacing), T1 - 1)
+    out, p = [], MIN_PREFIX
+    while 2 * p <= T1:
+        out.append(p)
+        p *= 2
+    return (*out, T1)
+
+
+def prefix_len(lengths: tuple[int, ...], block_length: int, counts_after: int) -> int:
+    """The shortest of `lengths` that holds every live slot of a row with `counts_after` live
+    tokens after the step (the largest count of the batch): an expert holds at most
+    ceil(count / W) tokens, at slots 0 .. ceil(count / W) - 1.
+
+    Args:
+        lengths: `prefix_lengths(config)`; block_length: W = L / K;
+        counts_after: the most live tokens a row holds once the step has run.
+
+    Returns:
+        a length of `lengths` (the last, the whole cache, when none shorter holds them).
+    """
+    i = bisect.bisect_left(lengths, -(-counts_after // block_length))
+    return lengths[min(i, len(lengths) - 1)]
 
 
 class LayerState(nn.Module):

@@ -25,7 +25,7 @@ _nested_layer_step = torch.compiler.nested_compile_region(DecoderLayer.step)
 
 def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torch.Tensor,
          live: torch.Tensor, ring: int, inplace: bool, per_token_max: int = 1,
-         last_only: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+         last_only: bool = False, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Runs C tokens per row through the model, reading and updating the static state.
 
     Args:
@@ -45,6 +45,11 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
             `logits_to_keep=1`): what a prompt's prefill needs, and the lm_head reads its
             weight for one row instead of C (with a 50k-token vocabulary, the head over 32
             tokens is about half of a chunk's time on CPU).
+        slots: the first P slots of each expert's cache are what the step attends, given as
+            their numbers `slot_numbers(T)[:P]` ((P,) float32; a length of
+            `state.prefix_lengths`); P at least every live slot of every row after the step
+            (`state.prefix_len`) gives the logits of the whole cache. None: the whole cache
+            (T + 1 slots, the sink masked).
 
     Returns:
         logits (B, C, V) (unspecified at dead tokens; (B, 1, V) with `last_only`, unspecified
@@ -58,7 +63,7 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
         raise ValueError(f"a step of {C} tokens needs a ring of at least window + {C} - 1 slots, got {ring}")
     mode = StepMode(inplace, C <= per_token_max)
     x = model.embed_tokens(tokens)  # (B, C, d)
-    ctx = context(model, live, input_pos, ring, state[0].shape[0] // B - 1, mode, x.dtype)
+    ctx = context(model, live, input_pos, ring, state[0].shape[0] // B - 1, mode, x.dtype, slots)
     run = _layer_step
     if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
         run = _nested_layer_step
@@ -75,11 +80,11 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
 
 
 def context(model, live: torch.Tensor, input_pos: torch.Tensor, ring: int, history: int, mode: StepMode,
-            dtype: torch.dtype) -> StepContext:
+            dtype: torch.dtype, slots: torch.Tensor | None = None) -> StepContext:
     """The tensors every layer of a step reads (`StepContext`), computed once per step.
 
     Args:
-        model: `ShramForCausalLM`; live, input_pos, ring: as in `step`.
+        model: `ShramForCausalLM`; live, input_pos, ring, slots: as in `step`.
         history: N, routing-history rows per batch row; dtype: the hidden states' dtype (the
             embedding may be a quantized table (export.quantize): no .weight to read it from).
     """
@@ -101,7 +106,6 @@ def context(model, live: torch.Tensor, input_pos: torch.Tensor, ring: int, histo
     q_j = (count[:, None] - 1) - (count[:, None] - 1 - j).remainder(R)  # (B, R+1) position in slot j
     dp = pos[:, :, None] - q_j[:, None, :]  # (B, C, R+1)
     local_mask = ((q_j[:, None, :] >= 0) & (dp >= 0) & (dp < Wn) & (j < R))[:, None]  # (B, 1, C, R+1)
-    ar_t = torch.arange(T + 1, device=dev)
     # Routing history: the open block's earlier tokens are positions input_pos - i, i = 1..W-1,
     # those with i <= input_pos % W (a closed block's row is read, then masked). WHY + N and not
     # remainder of a negative number: ExecuTorch's lowered remainder gave -1 there (an index out
@@ -118,7 +122,14 @@ def context(model, live: torch.Tensor, input_pos: torch.Tensor, ring: int, histo
                        attention_bias(local_mask, dtype), local_mask.any(-1, keepdim=True).to(dtype),
                        main_cos, main_sin, hist_idx, hist_open, route_rows, (input_pos // W)[:, None],
                        (ar_b * L)[:, None, None], torch.arange(L, device=dev),
-                       torch.where(ar_t < T, ar_t, 2 ** 24).float(), model.rope, mode)
+                       slot_numbers(T, dev) if slots is None else slots, model.rope, mode)
+
+
+def slot_numbers(T: int, device=None) -> torch.Tensor:
+    """(T + 1,) float32: the number of each slot of an expert's cache, arange(T), then 2**24 at
+    the sink (past every slot: never attended). A step attends the first P (`step`'s slots)."""
+    ar = torch.arange(T + 1, device=device)
+    return torch.where(ar < T, ar, 2 ** 24).float()
 
 
 class StepModule(nn.Module):
@@ -138,11 +149,12 @@ class StepModule(nn.Module):
         self.per_token_max = per_token_max
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, slots: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, C) int64, input_pos (B,) int64, live (B, C) bool -> logits (B, C, V), or
-        (B, 1, V) at each row's last live token with `last_only` (`step`)."""
+        (B, 1, V) at each row's last live token with `last_only`, over the sparse slots
+        numbered by `slots` (`step`)."""
         return step(self.model, self.state.tensors(), tokens, input_pos, live, self.state.ring, inplace=True,
-                    per_token_max=self.per_token_max, last_only=last_only)[0]
+                    per_token_max=self.per_token_max, last_only=last_only, slots=slots)[0]
 
 
 class FunctionalStep(nn.Module):
@@ -154,10 +166,14 @@ class FunctionalStep(nn.Module):
             not used).
         per_token_max: as in `StepModule`.
         last_only: return the logits at each row's last live token only, (B, 1, V) (`step`).
+        prefix: P, the first P sparse slots attended (`step`'s slots); None: all.
     """
 
-    def __init__(self, model, state: StaticState, per_token_max: int = 1, last_only: bool = False):
+    def __init__(self, model, state: StaticState, per_token_max: int = 1, last_only: bool = False,
+                 prefix: int | None = None):
         super().__init__()
+        # a constant of the exported graph
+        self.slots = None if prefix is None else slot_numbers(model.config.mosrah_cache_length)[:prefix]
         self.model = model
         self.ring = state.ring
         self.names = state.names()
@@ -168,5 +184,5 @@ class FunctionalStep(nn.Module):
                 *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(tokens, input_pos, live, *state) -> (logits, *new_state)."""
         logits, new_state = step(self.model, list(state), tokens, input_pos, live, self.ring, inplace=False,
-                                 per_token_max=self.per_token_max, last_only=self.last_only)
+                                 per_token_max=self.per_token_max, last_only=self.last_only, slots=self.slots)
         return (logits, *new_state)
