@@ -45,3 +45,17 @@ def pytest_collection_modifyitems(config, items):
             for name, fds in defs.name2fixturedefs.items())
 
     items.sort(key=lambda it: not (it.get_closest_marker("heavy") and not shares_a_module_fixture(it)))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def short_prefixes():
+    """Every StaticDecoder in the tests steps over prefixes of the sparse caches in multiples of 4
+    slots instead of `state.MIN_PREFIX` (64). WHY: the tests' models hold a few dozen slots per
+    expert, so at the default every step would attend the whole cache and no parity check
+    (golden, oracle, rollback, speculative, compiled) would run the prefix lengths;
+    tests/test_prefix.py checks the default lengths themselves."""
+    from shram_static import decoder
+    saved = decoder.MIN_PREFIX
+    decoder.MIN_PREFIX = 4
+    yield
+    decoder.MIN_PREFIX = saved

@@ -27,6 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", nargs="+", default=["eager", "compiled"], choices=BACKENDS)
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4])
     p.add_argument("--prefill-chunk", type=int, default=32)
+    p.add_argument("--capacity", type=positive_int, metavar="S",
+                   help="live tokens per row (the model's inference_sequence_length; default: its own)")
+    p.add_argument("--depths", nargs="+", type=positive_int, metavar="D",
+                   help="contexts to prefill and decode after (default: 64, a quarter, half and three "
+                        "quarters of the capacity, and near it)")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per context and round")
     p.add_argument("--rounds", type=int, default=3,
                    help="measurements per backend and context, interleaved across backends")
@@ -77,9 +82,10 @@ def main(argv=None) -> int:
     from . import throughput
     if args.worker == "export":
         print(json.dumps(throughput.export_one(args.model, args.backend, args.batch_size, args.prefill_chunk,
-                                               args.out_dir)))
+                                               args.out_dir, args.capacity)))
         return 0
     if args.worker == "serve":
-        throughput.serve([args.model, args.backend, args.batch_size, args.prefill_chunk, args.steps, args.out_dir])
+        throughput.serve([args.model, args.backend, args.batch_size, args.prefill_chunk, args.steps, args.out_dir,
+                          args.capacity, args.depths])
         return 0
     return throughput.bench(args)

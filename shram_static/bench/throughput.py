@@ -45,20 +45,26 @@ BENCH_CONFIG = dict(vocab_size=50277, embedding_width=512, mlp_width=1366, num_d
 PREFILL_REPEAT_S, PREFILL_RUNS = 1.0, 5
 
 
-def build_model(name: str):
-    """'bench' (the bench config, seeded weights), 'builtin', or a checkpoint directory."""
+def build_model(name: str, capacity: int | None = None):
+    """'bench' (the bench config, seeded weights), 'builtin', or a checkpoint directory, with
+    `capacity` live tokens per row (`inference_sequence_length`; None: the model's own)."""
     from ..config import ShramConfig
     from ..model import ShramForCausalLM
-    if name == "builtin":
-        from ..default_model import default_model
-        return default_model()
     if name == "bench":
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            return ShramForCausalLM(ShramConfig(**BENCH_CONFIG))
-    if os.path.isdir(name):
+            cfg = ShramConfig(**{**BENCH_CONFIG, **({"inference_sequence_length": capacity} if capacity else {})})
+            return ShramForCausalLM(cfg)
+    if name == "builtin":
+        from ..default_model import BUILTIN_DIR
+        name = BUILTIN_DIR
+    elif not os.path.isdir(name):
+        raise ValueError(f"unknown model {name!r}: use 'bench', 'builtin' or a checkpoint directory")
+    if capacity is None:
         return ShramForCausalLM.from_pretrained(name)
-    raise ValueError(f"unknown model {name!r}: use 'bench', 'builtin' or a checkpoint directory")
+    cfg = ShramConfig.from_json_file(os.path.join(name, "config.json"))
+    cfg.inference_sequence_length = capacity
+    return ShramForCausalLM.from_pretrained(name, config=cfg)
 
 
 def contexts(capacity: int, steps: int) -> list[int]:
@@ -72,10 +78,11 @@ def artifact_path(out_dir: str, backend: str) -> str:
     return os.path.join(out_dir, f"model{'.' + b.quantize if b.quantize else ''}.{b.runtime}")
 
 
-def export_one(model_name: str, backend: str, batch_size: int, prefill_chunk: int, out_dir: str) -> dict:
+def export_one(model_name: str, backend: str, batch_size: int, prefill_chunk: int, out_dir: str,
+               capacity: int | None = None) -> dict:
     """Exports one artifact in this process; returns export time and file size."""
     from ..export import export_onnx, export_pte
-    model = build_model(model_name)
+    model = build_model(model_name, capacity)
     path = artifact_path(out_dir, backend)
     t = time.perf_counter()
     b = find_backend(backend)
@@ -100,13 +107,16 @@ class Runner:
     """
 
     def __init__(self, model_name: str, backend: str, batch_size: int, prefill_chunk: int, steps: int,
-                 out_dir: str | None = None):
+                 out_dir: str | None = None, capacity: int | None = None, depths: list[int] | None = None):
         from ..decoder import StaticDecoder
         from ..state import state_bytes
         torch.manual_seed(0)
-        model = build_model(model_name)
+        model = build_model(model_name, capacity)
         cfg = model.config
         B, S = batch_size, cfg.inference_sequence_length
+        if depths and max(depths) + steps >= S:
+            raise ValueError(f"--depths must leave room for {steps} decode steps within the capacity {S}: "
+                             f"at most {S - steps - 1}, got {max(depths)}")
         t = time.perf_counter()
         b = find_backend(backend)
         if b.runtime not in EXPORTED:
@@ -126,7 +136,8 @@ class Runner:
         self.info = dict(model=model_name, backend=backend, batch=B, chunk=prefill_chunk,
                          warmup_s=round(time.perf_counter() - t, 2),
                          read_bytes=decode_read_bytes(model, B, prefill_chunk, find_backend(backend).quantize),
-                         state_bytes=state_bytes(cfg, B, prefill_chunk), contexts=contexts(S, steps))
+                         state_bytes=state_bytes(cfg, B, prefill_chunk), capacity=S,
+                         contexts=depths or contexts(S, steps))
 
     def measure(self, ctx: int) -> dict:
         """Prefills `ctx` tokens per row (a short prompt several times: PREFILL_REPEAT_S), then
@@ -350,6 +361,9 @@ def bench(args) -> int:
         raise ValueError("--batch-sizes, --steps and --prefill-chunk must be positive")
     if args.rounds < 1:
         raise ValueError("--rounds must be positive")
+    if args.capacity and args.depths and max(args.depths) + args.steps >= args.capacity:
+        raise ValueError(f"--depths must leave room for {args.steps} decode steps within --capacity "
+                         f"{args.capacity}: at most {args.capacity - args.steps - 1}, got {max(args.depths)}")
     jobs = [(m, be, b) for m in args.models for b in args.batch_sizes for be in args.backends]
     x = bandwidth_buffer()  # 1 GiB, held for the bandwidth readings between rounds
     bandwidth = lambda: measure_bandwidth(x)  # noqa: E731
@@ -357,8 +371,10 @@ def bench(args) -> int:
           f"{bandwidth() / 1e9:.1f} GB/s", flush=True)
     workers, results = [], []
     with tempfile.TemporaryDirectory(prefix="shram_bench_") as tmp:
+        shape = ((["--capacity", str(args.capacity)] if args.capacity else [])
+                 + (["--depths", *map(str, args.depths)] if args.depths else []))
         opts = [["--model", m, "--backend", be, "--batch-size", str(b), "--prefill-chunk",
-                 str(args.prefill_chunk), "--steps", str(args.steps), "--out-dir", os.path.join(tmp, str(i))]
+                 str(args.prefill_chunk), "--steps", str(args.steps), "--out-dir", os.path.join(tmp, str(i)), *shape]
                 for i, (m, be, b) in enumerate(jobs)]
         try:
             for i, (m, be, b) in enumerate(jobs):
