@@ -41,7 +41,35 @@ NO_SIZE_ASSERTS = {"size_asserts": False}
 # (docs/performance.md, "Compiled torch"). A public Inductor option; empty where a torch lacks it.
 FMA_CONTRACTION = ({"cpp.enable_floating_point_contract_flag": "fast"}
                    if hasattr(torch._inductor.config.cpp, "enable_floating_point_contract_flag") else {})
-STEP_OPTIONS = {**NO_SIZE_ASSERTS, **FMA_CONTRACTION}  # what every compiled step is built with
+
+
+def owned_guards(entries) -> list[bool]:
+    """Dynamo's guard filter for every compiled step (`torch.compile`'s public
+    `guard_filter_fn`): keeps the guards on the step's inputs and on global state (grad mode,
+    the prefix length's range), and drops those on the decoder's own model copy (its modules'
+    structure, and the weights and state tensors they hold) and on module globals.
+
+    WHY: those are about 600 checks before every call, about a tenth of the built-in model's
+    decode step (docs/performance.md, "Host cost of the compiled step"). No caller's code reaches
+    the decoder's copy (`shared_copy`: new modules over the caller's weights); a caller may
+    change a weight's data, which the decoder follows (`StaticDecoder._follow_weights` compiles
+    again where a tensor's layout changed); and each decoder's steps are code objects of its own
+    (`StaticDecoder.step_function`), so no other decoder's graph can match. Public filters of
+    `torch.compiler` (the `_unsafe` in their names is theirs).
+
+    Args:
+        entries: Dynamo's guard entries of one graph.
+
+    Returns:
+        one bool per entry: keep it.
+    """
+    mods = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+    glob = torch.compiler.skip_guard_on_globals_unsafe(entries)
+    return [m and g for m, g in zip(mods, glob)]
+
+
+# what every compiled step is built with
+STEP_OPTIONS = {**NO_SIZE_ASSERTS, **FMA_CONTRACTION, "guard_filter_fn": owned_guards}
 KINDS = ("decode", "prefill", "verify", "prefill_last")  # the kinds of step (`StaticDecoder.step_function`)
 
 
@@ -124,6 +152,12 @@ class StaticDecoder(HostDecoder):
         self._row_owner = [m for m in packers for _ in m.sources]  # the packer of each weight
         self._row_weights = [w for m in packers for w in m.sources]
         self._row_stamps = _stamps(self._row_weights)
+        # every tensor a step reads besides its inputs, and where each one's data starts: the
+        # steps' guards skip them (`owned_guards`), so `_follow_weights` compiles again when
+        # one's layout changed
+        self._read = self._reads()
+        self._read_ptrs = [t.data_ptr() for t in self._read]
+        self._read_layouts = [_layout(t) for t in self._read]
         self.compiled = bool(kinds)
         self._compiled_kinds = kinds
         self._dynamic: set[str] = set()  # the compiled kinds that have been called
@@ -202,45 +236,64 @@ class StaticDecoder(HostDecoder):
     def _run(self, tokens, input_pos, live, kind: str | None = None):
         C = tokens.shape[1]
         kind = kind or ("decode" if C == 1 else "prefill" if C == self.prefill_chunk else "verify")
-        fn = self._steps.get(kind) or self.step_function(kind)
         # every live slot of every row fits: at most max(input_pos) + C tokens after the step
         slots = self._slots[:prefix_len(self.prefix_lengths, self._block, int(input_pos.max()) + C)]
         d = self.device
         args = tokens.to(d), input_pos.to(d), live.to(d), slots
         if kind not in self._compiled_kinds:
-            return fn(*args)
+            return (self._steps.get(kind) or self.step_function(kind))(*args)
+        if self._held is None or kind not in self._held:
+            self._follow_weights()  # first: it may drop the compiled steps
+            if self._held is not None:
+                self._held.add(kind)
+        fn = self._steps.get(kind) or self.step_function(kind)
         if kind not in self._dynamic:  # its first call compiles: P a dynamic size
             if len(self.prefix_lengths) > 1:
                 torch._dynamo.mark_dynamic(slots, 0, min=self.prefix_lengths[0], max=self.prefix_lengths[-1])
             self._dynamic.add(kind)
-        if self._held is None or kind not in self._held:
-            self._repack_changed()
-            if self._held is not None:
-                self._held.add(kind)
         return fn(*args)
 
-    def _repack_changed(self) -> None:
+    def _reads(self) -> list[torch.Tensor]:
+        return [*self.module.parameters(), *self.module.buffers()]
+
+    def _follow_weights(self) -> None:
         """Packs again the copies of every RowLinear or RowExperts one of whose weights has
-        changed since they were packed (written in place, or replaced)."""
-        if not self._row_weights:
-            return
+        changed since they were packed (written in place, or replaced); if a tensor the steps
+        read now has another shape, stride, dtype, device or alignment (the guards that would
+        notice are skipped: `owned_guards`), drops the compiled steps, which compile again."""
         stamps = _stamps(self._row_weights)
-        if stamps != self._row_stamps:
+        repacked = stamps != self._row_stamps
+        if repacked:
             for m in {m for m, now, then in zip(self._row_owner, stamps, self._row_stamps) if now != then}:
                 m.repack()
             self._row_stamps = stamps
+        read = self._reads() if repacked else self._read  # a repack may make a new buffer
+        ptrs = [t.data_ptr() for t in read]
+        if repacked or ptrs != self._read_ptrs:
+            layouts = [_layout(t) for t in read]
+            if layouts != self._read_layouts:
+                self._steps.clear()
+                self._dynamic.clear()
+                self._read_layouts = layouts
+            self._read, self._read_ptrs = read, ptrs
 
     @contextlib.contextmanager
     def steady(self, on: bool = True):
         """Within the block (when `on`), the caller runs no code of its own user's between steps
         (`generate` without a streamer): no weight can change, so each kind of step checks the
-        weights of the RowLinears and RowExperts (`_repack_changed`) once, at its first call."""
+        weights (`_follow_weights`) once, at its first call."""
         held = self._held
         self._held = set() if on else None
         try:
             yield
         finally:
             self._held = held
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """What a compiled step's code assumes of a tensor it reads: shape, strides, dtype, device,
+    and its data's alignment to Inductor's 16 bytes."""
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
 
 
 def _stamps(weights: list) -> list:

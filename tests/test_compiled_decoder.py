@@ -144,6 +144,35 @@ def test_compiled_decoder_follows_weight_changes():
     torch.testing.assert_close(run(), want(), atol=TOL, rtol=0)
 
 
+def test_a_weight_in_another_layout_compiles_the_steps_again():
+    """The compiled steps skip Dynamo's guards on the decoder's own modules (`owned_guards`):
+    a weight they read directly replaced by the same values in another layout (the router's,
+    transposed in memory; a norm's, misaligned) makes the decoder compile its steps again, and
+    the logits stay the uncached forward's. Read in the old layout, they would not be."""
+    model = compiled_test_model(9)
+    dec = StaticDecoder(model, compile=("decode",))
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(9))
+
+    def run():
+        dec.reset()
+        dec.prefill(ids[:, :5])
+        return torch.stack([dec.decode(ids[:, t]) for t in range(5, 8)], 1)  # after tokens 5..7
+
+    def want():
+        with torch.no_grad():
+            return model(ids).logits[:, 5:]
+
+    torch.testing.assert_close(run(), want(), atol=TOL, rtol=0)
+    counters = torch._dynamo.utils.counters["stats"]
+    graphs = counters["unique_graphs"]
+    layer = model.model.layers[0]
+    w = layer.attention.sparse_attention.router.routing_weight
+    w.data = w.data.t().contiguous().t()  # (L, d) values, column-major
+    n = layer.attn_norm.weight
+    n.data = torch.cat([n.data.new_zeros(1), n.data])[1:]  # 4 bytes past an aligned start
+    torch.testing.assert_close(run(), want(), atol=TOL, rtol=0)
+    assert counters["unique_graphs"] == graphs + 1
+
 @pytest.mark.parametrize("L, k", [(4, 2), (16, 4), (8, 1), (6, 6)])
 def test_top_k_as_ranks_is_top_k(L, k):
     """The compiled decode step's top-k (ranks, fused by Inductor) against a sort: largest
