@@ -71,6 +71,11 @@ def owned_guards(entries) -> list[bool]:
 # what every compiled step is built with
 STEP_OPTIONS = {**NO_SIZE_ASSERTS, **FMA_CONTRACTION, "guard_filter_fn": owned_guards}
 KINDS = ("decode", "prefill", "verify", "prefill_last")  # the kinds of step (`StaticDecoder.step_function`)
+# The longest prefix of the short side: a compiled kind of step is two graphs, prefixes of at
+# most and of more than ACC_CHUNK slots. WHY: Inductor's C++ sums a float reduction of more than
+# 4096 elements in chunks (its `need_use_acc_helper`) and guards the length on the side it
+# compiled, so a single graph would recompile when the rows pass 4096 slots.
+ACC_CHUNK = 4096
 
 
 class StaticDecoder(HostDecoder):
@@ -160,7 +165,7 @@ class StaticDecoder(HostDecoder):
         self._read_layouts = [_layout(t) for t in self._read]
         self.compiled = bool(kinds)
         self._compiled_kinds = kinds
-        self._dynamic: set[str] = set()  # the compiled kinds that have been called
+        self._dynamic: set[tuple[str, bool]] = set()  # the step functions that have been called
         self._held: set[str] | None = None  # inside `steady`: the steps whose weights were checked there
         # each kind of step's Inductor options: the verify step (a few tokens per row) reads each
         # RowLinear weight once for all its rows, as a decode step of several rows does
@@ -171,27 +176,29 @@ class StaticDecoder(HostDecoder):
         self.prefix_lengths = prefix_lengths(model.config, MIN_PREFIX)
         self._block = model.config.block_length
         self._slots = slot_numbers(model.config.mosrah_cache_length, p.device)  # (T + 1,)
-        self._steps: dict[str, object] = {}  # kind -> its step function
+        self._steps: dict[tuple[str, bool], object] = {}  # (kind, long) -> its step function
         if kinds:
             accelerators.prepare_compile(p.device.type)  # ISA check beside the first trace; batched builds
 
-    def step_function(self, kind: str):
+    def step_function(self, kind: str, long: bool = False):
         """The function that runs one kind of step, made on first request:
         `tokens (B, C), input_pos (B,), live (B, C), slots (P,) -> logits`, over the first P
         slots of the sparse caches (`step.step`'s slots: `slot_numbers(T)[:P]`).
 
         A compiled kind is a `torch.compile(fullgraph=True, dynamic=False)` function of its own
         code object, so no kind's shapes ever recompile another's; P is its one dynamic size, so
-        one graph serves every length. It compiles on its first call (or in `warm_up`).
+        one graph serves every length up to ACC_CHUNK, and one more every longer length. It
+        compiles on its first call (or in `warm_up`).
 
         Args:
             kind: "decode" (C = 1), "prefill" (C = prefill_chunk), "verify" (C = verify_len) or
                 "prefill_last" (a prefill chunk, logits at each row's last live token).
+            long: the function for prefixes longer than ACC_CHUNK slots.
 
         Returns:
             the step function.
         """
-        fn = self._steps.get(kind)
+        fn = self._steps.get((kind, long))
         if fn is not None:
             return fn
         if kind not in KINDS:
@@ -204,11 +211,11 @@ class StaticDecoder(HostDecoder):
         if kind in self._compiled_kinds:
             # WHY a new code object: Dynamo keeps its compiled graphs per code object, so the
             # closures of `run` (of every kind and decoder) would share one cache and recompile
-            name = f"{kind}_step"
+            name = f"{kind}_step" + "_long" * long
             code = run.__code__.replace(co_name=name, co_qualname=name)
             run = torch.compile(types.FunctionType(code, run.__globals__, name, None, run.__closure__),
                                 fullgraph=True, dynamic=False, options=self._options[kind])
-        self._steps[kind] = run
+        self._steps[(kind, long)] = run
         return run
 
     def warm_up(self, kinds=("decode", "prefill_last")) -> None:
@@ -221,13 +228,16 @@ class StaticDecoder(HostDecoder):
         B, d = self.batch_size, self.device
         widths = {"decode": 1, "prefill": self.prefill_chunk, "prefill_last": self.prefill_chunk,
                   "verify": self.verify_len}
+        if "verify" in kinds and self.verify_len is None:
+            raise ValueError("warm_up('verify') needs a decoder built with verify_len")
+        # a depth whose prefix is the shortest, and one past ACC_CHUNK slots where there is one
+        depths = [0] + [self._block * ACC_CHUNK] * (self.prefix_lengths[-1] > ACC_CHUNK)
         for kind in kinds:
             C = widths.get(kind, 0)
-            if C is None:
-                raise ValueError("warm_up('verify') needs a decoder built with verify_len")
-            info(f"warming up the {kind} step")
-            self._run(torch.zeros(B, C, dtype=torch.long), self._counts.live, torch.zeros(B, C, dtype=torch.bool),
-                      kind)
+            for depth in depths:
+                info(f"warming up the {kind} step" + f" (prefixes over {ACC_CHUNK} slots)" * (depth > 0))
+                self._run(torch.zeros(B, C, dtype=torch.long), torch.full((B,), depth),
+                          torch.zeros(B, C, dtype=torch.bool), kind)
 
     def _run_last(self, tokens, input_pos, live):
         return self._run(tokens, input_pos, live, "prefill_last")
@@ -237,20 +247,22 @@ class StaticDecoder(HostDecoder):
         C = tokens.shape[1]
         kind = kind or ("decode" if C == 1 else "prefill" if C == self.prefill_chunk else "verify")
         # every live slot of every row fits: at most max(input_pos) + C tokens after the step
-        slots = self._slots[:prefix_len(self.prefix_lengths, self._block, int(input_pos.max()) + C)]
+        P = prefix_len(self.prefix_lengths, self._block, int(input_pos.max()) + C)
+        slots, key = self._slots[:P], (kind, P > ACC_CHUNK)
         d = self.device
         args = tokens.to(d), input_pos.to(d), live.to(d), slots
         if kind not in self._compiled_kinds:
-            return (self._steps.get(kind) or self.step_function(kind))(*args)
+            return (self._steps.get(key) or self.step_function(*key))(*args)
         if self._held is None or kind not in self._held:
             self._follow_weights()  # first: it may drop the compiled steps
             if self._held is not None:
                 self._held.add(kind)
-        fn = self._steps.get(kind) or self.step_function(kind)
-        if kind not in self._dynamic:  # its first call compiles: P a dynamic size
+        fn = self._steps.get(key) or self.step_function(*key)
+        if key not in self._dynamic:  # its first call compiles: P a dynamic size
             if len(self.prefix_lengths) > 1:
-                torch._dynamo.mark_dynamic(slots, 0, min=self.prefix_lengths[0], max=self.prefix_lengths[-1])
-            self._dynamic.add(kind)
+                # maybe_: Inductor guards P against ACC_CHUNK, a bound of the graph's own side
+                torch._dynamo.maybe_mark_dynamic(slots, 0)
+            self._dynamic.add(key)
         return fn(*args)
 
     def _reads(self) -> list[torch.Tensor]:
