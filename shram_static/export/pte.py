@@ -32,8 +32,8 @@ from ..config import ShramConfig
 from ..console import without_leafspec_notice
 from ..errors import ExportFormatError  # noqa: F401 (importable from here too)
 from ..state import StaticState
-from ..step import StepModule
-from .common import PTE_FORMAT, check_export_args, export_copy
+from ..step import StepModule, slot_numbers
+from .common import PTE_FORMAT, check_export_args, export_copy, export_prefix_lengths
 from .partition import xnnpack_partitioner
 from .quantize import QUANTIZE_MODES, quantize_weights_
 from .views import state_view_planning, written_cache_views_pass
@@ -53,9 +53,11 @@ class _Decode1(nn.Module):
 
 
 class _Chunk(nn.Module):
-    """Batched step with live flags: `(tokens [B, C], input_pos [B], live [B, C])` -> logits
-    `[B, C, V]` (verify, full-logits prefill), `[B, 1, V]` at each row's last live token with
-    `last_live=True` (prefill), or `[B, V]` with `last=True` (the batched decode method, C = 1)."""
+    """Batched step with live flags: `(tokens [B, C], input_pos [B], live [B, C][, slots [P]])`
+    -> logits `[B, C, V]` (verify, full-logits prefill), `[B, 1, V]` at each row's last live
+    token with `last_live=True` (prefill), or `[B, V]` with `last=True` (the batched decode
+    method, C = 1); over the first P sparse slots of each expert's cache with `slots`
+    (`step.step`), else the whole cache."""
 
     def __init__(self, step: StepModule, last: bool, last_live: bool = False):
         super().__init__()
@@ -63,8 +65,9 @@ class _Chunk(nn.Module):
         self.last = last
         self.last_live = last_live
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        logits = self.step(tokens, input_pos, live, last_only=self.last_live)
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.step(tokens, input_pos, live, last_only=self.last_live, slots=slots)
         return logits[:, -1, :] if self.last else logits
 
 
@@ -104,7 +107,7 @@ def _init_first_method_pass(names):
 def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, quantize: str | None = None,
                   eos_token_id: int | None = None, bos_token_id: int | None = None, *,
                   quantize_embedding: bool = False, parallel: bool = True, verify_len: int | None = None,
-                  full_logits: bool = False):
+                  full_logits: bool = False, prefix_lengths=None):
     """Exports and lowers the two steps (with `parallel`, the decode step in a forked process);
     returns the `ExecutorchProgramManager` (not written).
 
@@ -126,6 +129,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     bos_token_id = getattr(cfg, "bos_token_id", None) if bos_token_id is None else bos_token_id
     check_export_args(cfg, batch_size, 1 if prefill_chunk is None else prefill_chunk, eos_token_id,
                       bos_token_id, parallel=parallel, full_logits=full_logits, verify_len=verify_len)
+    lengths = export_prefix_lengths(cfg, prefix_lengths)
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
     if quantize is not None:
@@ -156,6 +160,16 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         Cv = verify_len
         methods["verify"] = (_Chunk(step, last=False), (torch.zeros(B, Cv, **i64), torch.zeros(B, **i64),
                                                         torch.ones(B, Cv, dtype=torch.bool)))
+    # Every step method but the stock runner's `forward` takes the slots it attends (P,) as a
+    # bounded dynamic size: one method serves every length, and a step's sparse attention
+    # costs what the rows' depth needs, not the capacity. `forward` keeps the whole cache.
+    slots_methods = [name for name in methods if name != "forward"] if lengths else []
+    if slots_methods:
+        P = torch.export.Dim("P", min=lengths[0], max=lengths[-1])
+        slots = slot_numbers(cfg.mosrah_cache_length)[:lengths[-1]]
+        for name in slots_methods:
+            mod, args = methods[name]
+            methods[name] = (mod, (*args, slots), (*[None] * len(args), {0: P}))
     # _check_ir_validity=False, as ExecuTorch's llama export does. WHY: the edge verifier re-checks
     # every graph after every pass (a tenth of lowering time), and since a delegate holds a whole
     # norm + projections block (docs/performance.md, "`.pte`") it rejects, inside XNNPACK's own
@@ -180,7 +194,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         "prefill_method": None if prefill_chunk is None else "prefill", "state_names": state.names(),
         "eos_token_id": eos_token_id, "bos_token_id": bos_token_id,
         "rollback_limit": state.rollback_limit, "verify_len": verify_len, "verify_method": verify_method,
-        "full_logits": full_logits,
+        "full_logits": full_logits, "prefix_lengths": list(lengths), "slots_methods": slots_methods,
     }
     constants = {
         "get_max_seq_len": cfg.inference_sequence_length,
@@ -227,7 +241,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
 def export_pte(model, path, batch_size: int = 1, prefill_chunk: int | None = 32, quantize: str | None = None,
                eos_token_id: int | None = None, bos_token_id: int | None = None, *,
                quantize_embedding: bool = False, parallel: bool = True, verify_len: int | None = None,
-               full_logits: bool = False) -> str:
+               full_logits: bool = False, prefix_lengths=None) -> str:
     """Writes one ExecuTorch program (XNNPACK delegate, portable kernels for the rest).
 
     Args:
@@ -258,13 +272,19 @@ def export_pte(model, path, batch_size: int = 1, prefill_chunk: int | None = 32,
             (perplexity) needs. Default False: only each row's last live token's, [B, 1, V],
             which is all generation reads, and the lm_head then runs on B rows instead of
             B x C (the same default as ExecuTorch's llama export, `generate_full_logits`).
+        prefix_lengths: the prefix lengths of the sparse caches the step methods attend
+            (`common.export_prefix_lengths`; default powers of two from 64, then the whole
+            cache; () for whole-cache methods): every method but `forward` takes one more input,
+            `slots` [P] float32 (`slot_numbers(T)[:P]`), P a bounded dynamic size, and
+            `load_pte` picks the shortest length holding every row's live slots. Recorded in
+            the metadata (`prefix_lengths`, `slots_methods`).
 
     Returns:
         The path written.
     """
     et = lower_program(model, batch_size, prefill_chunk, quantize, eos_token_id, bos_token_id,
                        quantize_embedding=quantize_embedding, parallel=parallel, verify_len=verify_len,
-                       full_logits=full_logits)
+                       full_logits=full_logits, prefix_lengths=prefix_lengths)
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "wb") as f:
