@@ -12,8 +12,8 @@ import onnx
 import pytest
 import torch
 
-from helpers import (GOLDEN_CASES, check_last_token_prefill, check_verify_step, counting_traces, golden_case,
-                     golden_run, load_benchmark, tiny_model)
+from helpers import (GOLDEN_CASES, check_last_token_prefill, check_prefix_steps, check_verify_step, counting_traces,
+                     golden_case, golden_run, load_benchmark, tiny_model)
 
 from shram_static import StaticDecoder
 from shram_static.export import ExportFormatError, export_onnx, load_onnx
@@ -82,22 +82,30 @@ def cache_gathers(path) -> list[str]:
 
 
 @pytest.mark.heavy
-def test_last_token_prefill_and_verify_graphs(tmp_path):
+def test_last_token_prefill_and_verify_graphs(tmp_path, monkeypatch):
     """The default export (`full_logits=False`) with a verify graph as wide as its prefill
     chunk: the prefill graph returns each row's last live token's logits, [B, 1, V], and
     verification runs the verify graph, not prefill (`check_last_token_prefill`); verify,
     per-row rollback and speculative generation against the eager decoder (`check_verify_step`).
     Both attend every expert's cache where it lies: no Gather copies a whole expert cache per
-    query."""
+    query. Every graph attends a prefix of the sparse caches, its length an input of dynamic
+    size that the runner picks per step (`check_prefix_steps`)."""
     model = tiny_model(num_decoder_layers=1, training_sequence_length=64)  # one layer: half the export
-    paths = export_onnx(model, tmp_path / "m.onnx", batch_size=3, prefill_chunk=4, verify_len=4)
+    paths = export_onnx(model, tmp_path / "m.onnx", batch_size=3, prefill_chunk=4, verify_len=4,
+                        prefix_lengths=(4, 8))
     assert sorted(paths) == ["data", "decode", "prefill", "verify"]
     for role in ("prefill", "verify"):
         assert not cache_gathers(paths[role]), role
+    for role in ("decode", "prefill", "verify"):
+        m = onnx.load(paths[role], load_external_data=False)
+        slots = [i for i in m.graph.input if i.name == "slots"]
+        assert len(slots) == 1 and [d.dim_param for d in slots[0].type.tensor_type.shape.dim] == ["P"], role
+        assert json.loads({p.key: p.value for p in m.metadata_props}["shram_export"])["prefix_lengths"] == [4, 8, 20]
     dec = load_onnx(paths["decode"])
     assert dec.meta["full_logits"] is False and list(dec._graphs["prefill"].logits.shape) == [3, 1, 259]
     check_last_token_prefill(dec, model)
     check_verify_step(dec, model)
+    check_prefix_steps(dec, model, monkeypatch)
 
 
 def test_graph_contract(builtin):
