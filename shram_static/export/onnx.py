@@ -11,7 +11,10 @@ Files for `export_onnx(model, "m.onnx", ...)`:
 Each graph is `(input_ids [B, C] int64, position_ids [B] int64, live [B, C] bool,
 past.<name>...) -> (logits [B, C, V], present.<name>...)` (the prefill graph's logits as said
 above) over the state tensors of `StaticState.names()`; `position_ids` is the number of live
-tokens each row holds before the call (the position of its first live token). The model config
+tokens each row holds before the call (the position of its first live token). An export with
+prefix lengths (the default where the sparse caches are long enough: `prefix_lengths`) takes
+`slots [P] float32` after `live`, the numbers of the first P slots of each expert's cache the
+step attends (`step.step`), P a dynamic dimension. The model config
 and the export parameters are JSON strings in `metadata_props` (`shram_config`, `shram_export`).
 
 WHY pure functions: the dynamo exporter turns in-place buffer mutations into constant

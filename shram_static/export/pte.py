@@ -14,7 +14,10 @@ One program holds:
     `ExecuTorchModelForCausalLM` (also `get_bos_id`, `get_vocab_size`, `get_max_batch_size`,
     `get_dtype`) and by `load_pte`
     (`get_shram_config`: the model config JSON; `get_shram_export`: batch size, chunk,
-    quantization, state names, method names, as JSON).
+    quantization, state names, method names, prefix lengths, as JSON).
+Every step method but `forward` also takes `slots [P] float32`, the numbers of the first P
+slots of each expert's sparse cache it attends (`step.step`), P a bounded dynamic size; the
+runner picks P per step from the export's prefix lengths (`common.export_prefix_lengths`).
 Both step methods share one set of mutable state buffers. Every piece of bookkeeping is
 derived from `input_pos`, so a call at position 0 starts a fresh sequence without clearing
 anything (what the stock runner's `reset()` relies on).
