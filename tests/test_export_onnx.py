@@ -229,6 +229,25 @@ def test_bad_artifacts(builtin, tmp_path):
     with pytest.raises(ExportFormatError, match="not written by"):
         load_onnx(p["decode"])
 
+    def with_meta(folder, **changes):  # a copy named as the original: its graphs name m.onnx.data
+        (tmp_path / folder).mkdir()
+        out = copy_export(tmp_path / folder / os.path.basename(paths["decode"]))
+        m = onnx.load(out["decode"], load_external_data=False)
+        props = {q.key: q.value for q in m.metadata_props}
+        meta = {k: v for k, v in json.loads(props["shram_export"]).items() if k not in changes}
+        meta.update({k: v for k, v in changes.items() if v is not None})
+        onnx.helper.set_model_props(m, dict(props, shram_export=json.dumps(meta)))
+        onnx.save(m, out["decode"])
+        return out["decode"]
+
+    # prefix lengths in the metadata of graphs that take no slots: a file from another export
+    with pytest.raises(ExportFormatError, match="slots"):
+        load_onnx(with_meta("f", prefix_lengths=[4, 8, 20]))
+    # an export written before prefix lengths (no such key) runs its whole-cache graphs
+    ids = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+    assert torch.equal(load_onnx(with_meta("g", prefix_lengths=None)).prefill(ids),
+                       load_onnx(paths["decode"]).prefill(ids))
+
 
 def test_host_validation_keeps_state(builtin):
     paths, model = builtin

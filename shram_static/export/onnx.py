@@ -160,8 +160,6 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
     Returns:
         The paths written, as `graph_paths(path, verify)` (without "prefill" when decode only).
     """
-    import onnx
-
     cfg: ShramConfig = model.config
     C = 1 if prefill_chunk is None else prefill_chunk
     check_export_args(cfg, batch_size, C, eos_token_id, parallel=parallel, full_logits=full_logits,
@@ -170,6 +168,8 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
     lengths = export_prefix_lengths(cfg, prefix_lengths)
     if quantize_embedding and quantize != "int4":
         raise ValueError(f"quantize_embedding needs quantize='int4' (int4 rows), got quantize={quantize!r}")
+    import onnx
+
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
     state = StaticState(cfg, batch_size, C, dtype=dtype, rollback_limit=verify_len)

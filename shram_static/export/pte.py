@@ -119,8 +119,6 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     Returns:
         The program manager; `.buffer` is the .pte bytes.
     """
-    from executorch.exir import EdgeCompileConfig, EdgeProgramManager, ExecutorchBackendConfig
-
     cfg: ShramConfig = model.config
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
@@ -133,6 +131,8 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     check_export_args(cfg, batch_size, 1 if prefill_chunk is None else prefill_chunk, eos_token_id,
                       bos_token_id, parallel=parallel, full_logits=full_logits, verify_len=verify_len)
     lengths = export_prefix_lengths(cfg, prefix_lengths)
+    from executorch.exir import EdgeCompileConfig, EdgeProgramManager, ExecutorchBackendConfig
+
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
     if quantize is not None:
