@@ -4,9 +4,10 @@ Exports the bench model at a chosen capacity twice for one backend: with the def
 lengths (every step method / graph takes the `slots` it attends, the runner picks the length)
 and with `prefix_lengths=()` (the whole cache, as exports were before). Reports each export's
 time, then, round by round in alternating order, prefill tokens/s of a short prompt (last-token
-logits, as generation reads them) and decode ms per step right after it.
+logits, as generation reads them) and decode ms per step right after it; with
+`--baseline-capacity`, a whole-cache export at that capacity too, in the same rounds.
 
-    python benchmarks/prefix_ab.py --backend pte --capacity 8192 --prompt 256 --rounds 6
+    python benchmarks/prefix_ab.py --backend pte --capacity 8192 --prompt 256 --rounds 6 --baseline-capacity 2048
     python benchmarks/prefix_ab.py --backend onnx --capacity 8192 --prompt 256 --rounds 6
 """
 
@@ -38,6 +39,8 @@ def main(argv=None) -> int:
     p.add_argument("--decode-steps", type=int, default=8, help="decode steps timed after each prompt")
     p.add_argument("--prefill-chunk", type=int, default=32)
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--baseline-capacity", type=int,
+                   help="also time a whole-cache export at this (smaller) capacity in the same rounds")
     p.add_argument("--out-dir", help="keep the exports here, and reuse those already there (default: a temporary folder)")
     args = p.parse_args(argv)
     import os
@@ -46,14 +49,17 @@ def main(argv=None) -> int:
 
     from shram_static.export import export_onnx, export_pte, load_onnx, load_pte
 
-    model = build(args.capacity)
     tmp = tempfile.TemporaryDirectory()
     out = args.out_dir or tmp.name
     decoders = {}
-    for name, lengths in (("whole", ()), ("prefix", None)):
+    runs = [("whole", (), args.capacity), ("prefix", None, args.capacity)]
+    if args.baseline_capacity:
+        runs.append((f"whole-{args.baseline_capacity}", (), args.baseline_capacity))
+    for name, lengths, capacity in runs:
         t = time.perf_counter()
         path = os.path.join(out, f"{name}.{args.backend}")
         if not os.path.exists(path):
+            model = build(capacity)
             if args.backend == "pte":
                 export_pte(model, path, prefill_chunk=args.prefill_chunk, prefix_lengths=lengths)
             else:
@@ -61,7 +67,7 @@ def main(argv=None) -> int:
             print(f"{name}: export {time.perf_counter() - t:.0f} s", flush=True)
         decoders[name] = (load_pte if args.backend == "pte" else load_onnx)(path)
         print(f"{name}: prefix lengths {decoders[name].meta.get('prefix_lengths')}", flush=True)
-    ids = torch.randint(0, model.config.vocab_size, (1, args.prompt + args.decode_steps),
+    ids = torch.randint(0, decoders["whole"].config.vocab_size, (1, args.prompt + args.decode_steps),
                         generator=torch.Generator().manual_seed(0))
     for dec in decoders.values():  # the runtimes' first calls are not timed
         dec.reset()
@@ -80,6 +86,9 @@ def main(argv=None) -> int:
                 ts.append(time.perf_counter() - t)
             steps[name].append(statistics.median(ts) * 1e3)
     for name in decoders:
+        if name.startswith("whole-"):
+            ratio = statistics.median(a / b for a, b in zip(rates["prefix"], rates[name]))
+            print(f"prefix/{name} prefill rate: median {ratio:.2f}x")
         print(f"{name}: prefill {statistics.median(rates[name]):.0f} tokens/s (rounds {[round(x) for x in rates[name]]}), "
               f"decode {statistics.median(steps[name]):.2f} ms/step")
     ratio = [a / b for a, b in zip(rates["prefix"], rates["whole"])]
