@@ -106,6 +106,14 @@ def test_last_token_prefill_and_verify_graphs(tmp_path, monkeypatch):
     check_last_token_prefill(dec, model)
     check_verify_step(dec, model)
     check_prefix_steps(dec, model, monkeypatch)
+    # the same graphs with metadata that lists no lengths (an older export's): refused, not run
+    m = onnx.load(paths["decode"], load_external_data=False)
+    props = {q.key: q.value for q in m.metadata_props}
+    meta = {k: v for k, v in json.loads(props["shram_export"]).items() if k != "prefix_lengths"}
+    onnx.helper.set_model_props(m, dict(props, shram_export=json.dumps(meta)))
+    onnx.save(m, paths["decode"])
+    with pytest.raises(ExportFormatError, match="slots"):
+        load_onnx(paths["decode"])
 
 
 def test_graph_contract(builtin):

@@ -50,7 +50,6 @@ class _Graph:
                                     f"is missing or damaged?): {e}") from e
         self.inputs = {i.name: i for i in self.sess.get_inputs()}
         self.takes_slots = SLOTS_INPUT in self.inputs  # the sparse slots it attends
-
         self.binding = self.sess.io_binding()
         shape = self.sess.get_outputs()[0].shape
         self.logits = np.zeros(shape, dtype=_NP_DTYPES[self.sess.get_outputs()[0].type])
@@ -121,9 +120,11 @@ class OnnxDecoder(HostDecoder):
         # The slots each step attends (absent from the metadata: an export of whole-cache graphs).
         lengths = meta.get("prefix_lengths") or ()
         self._slots = PrefixSlots(config, lengths) if lengths else None
-        if self._slots is not None and not all(g.takes_slots for g in self._graphs.values()):
-            raise ExportFormatError(f"{paths['decode']}: its metadata lists prefix lengths {lengths}, but a "
-                                    f"graph has no {SLOTS_INPUT!r} input (a file from another export?)")
+        for role, g in self._graphs.items():
+            if g.takes_slots != bool(lengths):
+                raise ExportFormatError(
+                    f"{paths[role]} {'takes' if g.takes_slots else 'has no'} a {SLOTS_INPUT!r} input, but the "
+                    f"metadata lists prefix lengths {list(lengths)} (a file from another export?)")
         B, C, V = self.batch_size, self.prefill_chunk, config.vocab_size
         for role, g in self._graphs.items():
             c = {"decode": 1, "prefill": C, "verify": self.verify_len}[role]
