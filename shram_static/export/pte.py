@@ -17,7 +17,9 @@ One program holds:
     quantization, state names, method names, prefix lengths, as JSON).
 Every step method but `forward` also takes `slots [P] float32`, the numbers of the first P
 slots of each expert's sparse cache it attends (`step.step`), P a bounded dynamic size; the
-runner picks P per step from the export's prefix lengths (`common.export_prefix_lengths`).
+runner picks P per step from the export's prefix lengths (`common.export_prefix_lengths`). At
+batch 1 such an export also holds `decode(tokens [1, 1], input_pos [1], live [1, 1], slots)`,
+the decode step `load_pte` runs (`forward`, for stock runners, attends the whole cache).
 Both step methods share one set of mutable state buffers. Every piece of bookkeeping is
 derived from `input_pos`, so a call at position 0 starts a fresh sequence without clearing
 anything (what the stock runner's `reset()` relies on).
@@ -165,7 +167,10 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
                                                         torch.ones(B, Cv, dtype=torch.bool)))
     # Every step method but the stock runner's `forward` takes the slots it attends (P,) as a
     # bounded dynamic size: one method serves every length, and a step's sparse attention
-    # costs what the rows' depth needs, not the capacity. `forward` keeps the whole cache.
+    # costs what the rows' depth needs, not the capacity. `forward` keeps the whole cache; at
+    # batch 1 a `decode` method with the slots (and live flags) is what `load_pte` runs.
+    if lengths and B == 1:
+        methods["decode"] = (_Chunk(step, last=True), (*dec_args, torch.ones(1, 1, dtype=torch.bool)))
     slots_methods = [name for name in methods if name != "forward"] if lengths else []
     if slots_methods:
         P = torch.export.Dim("P", min=lengths[0], max=lengths[-1])

@@ -94,10 +94,20 @@ class PteDecoder(HostDecoder):
         except Exception as e:
             raise ExportFormatError(f"{path}: loading the step methods failed (truncated, or built "
                                     f"with kernels this runtime lacks?): {e}") from e
-        self._batched = meta["decode_method"] != "forward"
         # The methods that take the sparse slots they attend (absent: an export of whole-cache
-        # methods only), and the slots of each step (`PrefixSlots`).
+        # methods only), and the slots of each step (`PrefixSlots`). At batch 1 the decode step
+        # with them is `decode` beside the stock runner's `forward` (which carries the state's
+        # starting values, so it is loaded first all the same).
         takes = set(meta.get("slots_methods", ()))
+        if meta["decode_method"] == "forward" and "decode" in takes:
+            self._check_signature("decode", (B, 1), (B, V))
+            self._forward = self._decode  # kept loaded: the shared state's first method
+            try:
+                self._decode = program.load_method("decode")
+            except Exception as e:
+                raise ExportFormatError(f"{path}: loading the decode method failed: {e}") from e
+            meta = {**meta, "decode_method": "decode"}
+        self._batched = meta["decode_method"] != "forward"
         self._slots_methods = [m for m, name in ((self._decode, meta["decode_method"]),
                                                  (self._prefill, meta["prefill_method"]), (self._verify, "verify"))
                                if m is not None and name in takes]
