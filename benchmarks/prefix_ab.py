@@ -39,6 +39,8 @@ def main(argv=None) -> int:
     p.add_argument("--decode-steps", type=int, default=8, help="decode steps timed after each prompt")
     p.add_argument("--prefill-chunk", type=int, default=32)
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--prefix-decode", action="store_true",
+                   help="pte: the prefix export gets the batch-1 decode method over a prefix (`prefix_decode`)")
     p.add_argument("--baseline-capacity", type=int,
                    help="also time a whole-cache export at this (smaller) capacity in the same rounds")
     p.add_argument("--out-dir", help="keep the exports here, and reuse those already there (default: a temporary folder)")
@@ -61,7 +63,8 @@ def main(argv=None) -> int:
         if not os.path.exists(path):
             model = build(capacity)
             if args.backend == "pte":
-                export_pte(model, path, prefill_chunk=args.prefill_chunk, prefix_lengths=lengths)
+                export_pte(model, path, prefill_chunk=args.prefill_chunk, prefix_lengths=lengths,
+                           prefix_decode=args.prefix_decode and name == "prefix")
             else:
                 export_onnx(model, path, prefill_chunk=args.prefill_chunk, prefix_lengths=lengths)
             print(f"{name}: export {time.perf_counter() - t:.0f} s", flush=True)

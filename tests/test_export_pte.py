@@ -464,14 +464,14 @@ def test_rollback_and_speculation_without_a_verify_method(builtin):
 
 @pytest.mark.heavy
 def test_batch_one_decode_method_over_a_prefix(tmp_path, monkeypatch):
-    """At batch 1 an export with prefix lengths keeps the stock runner's `forward(tokens,
-    input_pos)` over the whole cache and adds `decode(tokens, input_pos, live, slots)`, which
+    """At batch 1 an export with prefix lengths and `prefix_decode` keeps the stock runner's
+    `forward(tokens, input_pos)` over the whole cache and adds `decode(tokens, input_pos, live, slots)`, which
     `load_pte` runs: a decode-only program fed 44 tokens one by one gives the eager decoder's
     logits (within 1e-5) while the length it feeds grows 4, 8, 20 with the depth."""
     from shram_static.export.common import PrefixSlots
 
     model = tiny_model(num_decoder_layers=1, training_sequence_length=64)  # T = 20, W = 4
-    path = export_pte(model, tmp_path / "m.pte", prefill_chunk=None, prefix_lengths=(4, 8))
+    path = export_pte(model, tmp_path / "m.pte", prefill_chunk=None, prefix_lengths=(4, 8), prefix_decode=True)
     dec = load_pte(path)
     assert dec.meta["decode_method"] == "forward" and dec.meta["slots_methods"] == ["decode"]
     assert dec._program.metadata("forward").num_inputs() == 2 and dec._program.metadata("decode").num_inputs() == 4

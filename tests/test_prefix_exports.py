@@ -34,6 +34,8 @@ def test_bad_lengths_are_refused_before_tracing(tmp_path):
     for export in (export_pte, export_onnx):
         with pytest.raises(ValueError, match="prefix_lengths"):
             export(model, tmp_path / "x", prefix_lengths=(8, 4))
+    with pytest.raises(TypeError, match="prefix_decode"):
+        export_pte(model, tmp_path / "x", prefix_lengths=(4, 8), prefix_decode=1)
     assert not list(tmp_path.iterdir())
 
 

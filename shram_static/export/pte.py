@@ -18,8 +18,9 @@ One program holds:
 Every step method but `forward` also takes `slots [P] float32`, the numbers of the first P
 slots of each expert's sparse cache it attends (`step.step`), P a bounded dynamic size; the
 runner picks P per step from the export's prefix lengths (`common.export_prefix_lengths`). At
-batch 1 such an export also holds `decode(tokens [1, 1], input_pos [1], live [1, 1], slots)`,
-the decode step `load_pte` runs (`forward`, for stock runners, attends the whole cache).
+batch 1 with `prefix_decode` it also holds `decode(tokens [1, 1], input_pos [1], live [1, 1],
+slots)`, the decode step `load_pte` then runs (`forward`, for stock runners, attends the whole
+cache).
 Both step methods share one set of mutable state buffers. Every piece of bookkeeping is
 derived from `input_pos`, so a call at position 0 starts a fresh sequence without clearing
 anything (what the stock runner's `reset()` relies on).
@@ -112,7 +113,7 @@ def _init_first_method_pass(names):
 def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, quantize: str | None = None,
                   eos_token_id: int | None = None, bos_token_id: int | None = None, *,
                   quantize_embedding: bool = False, parallel: bool = True, verify_len: int | None = None,
-                  full_logits: bool = False, prefix_lengths=None):
+                  full_logits: bool = False, prefix_lengths=None, prefix_decode: bool = False):
     """Exports and lowers the two steps (with `parallel`, the decode step in a forked process);
     returns the `ExecutorchProgramManager` (not written).
 
@@ -133,6 +134,8 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     check_export_args(cfg, batch_size, 1 if prefill_chunk is None else prefill_chunk, eos_token_id,
                       bos_token_id, parallel=parallel, full_logits=full_logits, verify_len=verify_len)
     lengths = export_prefix_lengths(cfg, prefix_lengths)
+    if not isinstance(prefix_decode, bool):
+        raise TypeError(f"prefix_decode must be a bool, got {prefix_decode!r}")
     from executorch.exir import EdgeCompileConfig, EdgeProgramManager, ExecutorchBackendConfig
 
     model = export_copy(model)
@@ -168,8 +171,8 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     # Every step method but the stock runner's `forward` takes the slots it attends (P,) as a
     # bounded dynamic size: one method serves every length, and a step's sparse attention
     # costs what the rows' depth needs, not the capacity. `forward` keeps the whole cache; at
-    # batch 1 a `decode` method with the slots (and live flags) is what `load_pte` runs.
-    if lengths and B == 1:
+    # batch 1 with `prefix_decode`, a `decode` method with the slots is what `load_pte` runs.
+    if lengths and B == 1 and prefix_decode:
         methods["decode"] = (_Chunk(step, last=True), (*dec_args, torch.ones(1, 1, dtype=torch.bool)))
     slots_methods = [name for name in methods if name != "forward"] if lengths else []
     if slots_methods:
@@ -249,7 +252,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
 def export_pte(model, path, batch_size: int = 1, prefill_chunk: int | None = 32, quantize: str | None = None,
                eos_token_id: int | None = None, bos_token_id: int | None = None, *,
                quantize_embedding: bool = False, parallel: bool = True, verify_len: int | None = None,
-               full_logits: bool = False, prefix_lengths=None) -> str:
+               full_logits: bool = False, prefix_lengths=None, prefix_decode: bool = False) -> str:
     """Writes one ExecuTorch program (XNNPACK delegate, portable kernels for the rest).
 
     Args:
@@ -286,13 +289,17 @@ def export_pte(model, path, batch_size: int = 1, prefill_chunk: int | None = 32,
             `slots` [P] float32 (`slot_numbers(T)[:P]`), P a bounded dynamic size, and
             `load_pte` picks the shortest length holding every row's live slots. Recorded in
             the metadata (`prefix_lengths`, `slots_methods`).
+        prefix_decode: at batch 1 with prefix lengths, also write `decode(tokens [1, 1],
+            input_pos [1], live [1, 1], slots [P])`, the decode step over a prefix that
+            `load_pte` then runs (`forward` keeps the whole cache for stock runners). One more
+            method to lower (docs/performance.md, "`.onnx`": the export's time and what it buys).
 
     Returns:
         The path written.
     """
     et = lower_program(model, batch_size, prefill_chunk, quantize, eos_token_id, bos_token_id,
                        quantize_embedding=quantize_embedding, parallel=parallel, verify_len=verify_len,
-                       full_logits=full_logits, prefix_lengths=prefix_lengths)
+                       full_logits=full_logits, prefix_lengths=prefix_lengths, prefix_decode=prefix_decode)
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "wb") as f:
