@@ -303,6 +303,44 @@ def check_last_token_prefill(dec, model) -> None:
     assert torch.equal(dec.generate(prompt, max_new_tokens=12, speculate=3), want)
 
 
+def check_prefix_steps(dec, model, monkeypatch, lengths=(4, 8)) -> None:
+    """An exported decoder whose steps attend a prefix of the sparse caches (exported with
+    `prefix_lengths=lengths`; 3 rows, prefill chunk 4, W = 4, T = 20) against the eager
+    `StaticDecoder`: rows at different depths, the deepest restarted, every step's logits
+    within 1e-5, and the length the runner fed each step the shortest of `lengths` + (T,) that
+    holds ceil(count / W) slots (count: the most live tokens a row holds after the step), each
+    length at least once."""
+    from shram_static import StaticDecoder
+    from shram_static.export.common import PrefixSlots
+
+    cfg = model.config
+    W, T, B = cfg.block_length, cfg.mosrah_cache_length, dec.batch_size
+    assert (W, T, B, dec.prefill_chunk) == (4, 20, 3, 4)
+    all_lengths = (*lengths, T)
+    fed, real = [], PrefixSlots.__call__
+
+    def spy(self, input_pos, chunk):
+        slots = real(self, input_pos, chunk)
+        fed.append((int(input_pos.max()) + chunk, slots.shape[0]))
+        return slots
+    monkeypatch.setattr(PrefixSlots, "__call__", spy)
+    dec.reset()
+    ref = StaticDecoder(model, B, 4)
+    ids = random_ids(cfg, B, 48, seed=7)
+    mask = torch.zeros(B, 44, dtype=torch.bool)
+    mask[0], mask[1, 30:], mask[2, 42:] = True, True, True  # 44, 14 and 2 tokens deep
+    got = [(dec.prefill(ids[:, :44], mask, last_only=True), ref.prefill(ids[:, :44], mask, last_only=True))]
+    for d in (dec, ref):
+        d.reset_rows([0])  # the deepest row starts again: the others set the length
+    for t in range(4):
+        got.append((dec.decode(ids[:, 44 + t]), ref.decode(ids[:, 44 + t])))
+    for a, b in got:
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    want = [min(p for p in all_lengths if p * W >= count) for count, _ in fed]
+    assert [p for _, p in fed] == want, fed
+    assert set(want) == set(all_lengths), fed
+
+
 # Portable kernels an exported program may call (test_export_pte.py's shared program, the
 # quantized programs of test_export_quantized.py; everything else is inside the XNNPACK
 # delegate). A new kernel here must be deliberate: check it exists in the runtime
@@ -318,6 +356,9 @@ ALLOWED_KERNELS = {
     "aten::ne.Scalar_out", "aten::remainder.Scalar_out", "aten::scalar_tensor.out",
     "aten::select_copy.int_out", "aten::sub.out", "aten::sum.IntList_out", "aten::topk.values",
     "aten::unsqueeze_copy.out", "aten::where.self_out", "dim_order_ops::_to_dim_order_copy.out",
+    # steps over a prefix of the sparse caches, P a dynamic size: the prefix of each cache
+    # copied out, the sizes read and the views shaped at run time (ExecuTorch's prim ops)
+    "aten::slice_copy.Tensor_out", "aten::sym_size.int", "executorch_prim::et_view.default",
 }
 
 

@@ -12,8 +12,8 @@ import onnx
 import pytest
 import torch
 
-from helpers import (GOLDEN_CASES, check_last_token_prefill, check_verify_step, counting_traces, golden_case,
-                     golden_run, load_benchmark, tiny_model)
+from helpers import (GOLDEN_CASES, check_last_token_prefill, check_prefix_steps, check_verify_step, counting_traces,
+                     golden_case, golden_run, load_benchmark, tiny_model)
 
 from shram_static import StaticDecoder
 from shram_static.export import ExportFormatError, export_onnx, load_onnx
@@ -82,22 +82,38 @@ def cache_gathers(path) -> list[str]:
 
 
 @pytest.mark.heavy
-def test_last_token_prefill_and_verify_graphs(tmp_path):
+def test_last_token_prefill_and_verify_graphs(tmp_path, monkeypatch):
     """The default export (`full_logits=False`) with a verify graph as wide as its prefill
     chunk: the prefill graph returns each row's last live token's logits, [B, 1, V], and
     verification runs the verify graph, not prefill (`check_last_token_prefill`); verify,
     per-row rollback and speculative generation against the eager decoder (`check_verify_step`).
     Both attend every expert's cache where it lies: no Gather copies a whole expert cache per
-    query."""
+    query. Every graph attends a prefix of the sparse caches, its length an input of dynamic
+    size that the runner picks per step (`check_prefix_steps`)."""
     model = tiny_model(num_decoder_layers=1, training_sequence_length=64)  # one layer: half the export
-    paths = export_onnx(model, tmp_path / "m.onnx", batch_size=3, prefill_chunk=4, verify_len=4)
+    paths = export_onnx(model, tmp_path / "m.onnx", batch_size=3, prefill_chunk=4, verify_len=4,
+                        prefix_lengths=(4, 8))
     assert sorted(paths) == ["data", "decode", "prefill", "verify"]
     for role in ("prefill", "verify"):
         assert not cache_gathers(paths[role]), role
+    for role in ("decode", "prefill", "verify"):
+        m = onnx.load(paths[role], load_external_data=False)
+        slots = [i for i in m.graph.input if i.name == "slots"]
+        assert len(slots) == 1 and [d.dim_param for d in slots[0].type.tensor_type.shape.dim] == ["P"], role
+        assert json.loads({p.key: p.value for p in m.metadata_props}["shram_export"])["prefix_lengths"] == [4, 8, 20]
     dec = load_onnx(paths["decode"])
     assert dec.meta["full_logits"] is False and list(dec._graphs["prefill"].logits.shape) == [3, 1, 259]
     check_last_token_prefill(dec, model)
     check_verify_step(dec, model)
+    check_prefix_steps(dec, model, monkeypatch)
+    # the same graphs with metadata that lists no lengths (an older export's): refused, not run
+    m = onnx.load(paths["decode"], load_external_data=False)
+    props = {q.key: q.value for q in m.metadata_props}
+    meta = {k: v for k, v in json.loads(props["shram_export"]).items() if k != "prefix_lengths"}
+    onnx.helper.set_model_props(m, dict(props, shram_export=json.dumps(meta)))
+    onnx.save(m, paths["decode"])
+    with pytest.raises(ExportFormatError, match="slots"):
+        load_onnx(paths["decode"])
 
 
 def test_graph_contract(builtin):
@@ -220,6 +236,25 @@ def test_bad_artifacts(builtin, tmp_path):
     onnx.save(foreign, p["decode"])
     with pytest.raises(ExportFormatError, match="not written by"):
         load_onnx(p["decode"])
+
+    def with_meta(folder, **changes):  # a copy named as the original: its graphs name m.onnx.data
+        (tmp_path / folder).mkdir()
+        out = copy_export(tmp_path / folder / os.path.basename(paths["decode"]))
+        m = onnx.load(out["decode"], load_external_data=False)
+        props = {q.key: q.value for q in m.metadata_props}
+        meta = {k: v for k, v in json.loads(props["shram_export"]).items() if k not in changes}
+        meta.update({k: v for k, v in changes.items() if v is not None})
+        onnx.helper.set_model_props(m, dict(props, shram_export=json.dumps(meta)))
+        onnx.save(m, out["decode"])
+        return out["decode"]
+
+    # prefix lengths in the metadata of graphs that take no slots: a file from another export
+    with pytest.raises(ExportFormatError, match="slots"):
+        load_onnx(with_meta("f", prefix_lengths=[4, 8, 20]))
+    # an export written before prefix lengths (no such key) runs its whole-cache graphs
+    ids = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+    assert torch.equal(load_onnx(with_meta("g", prefix_lengths=None)).prefill(ids),
+                       load_onnx(paths["decode"]).prefill(ids))
 
 
 def test_host_validation_keeps_state(builtin):

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from helpers import (ALLOWED_KERNELS, GOLDEN_CASES, LOWERING_ACCELERATORS, STOCK_LOWERING_CASE,
-                     check_last_token_prefill, check_verify_step, delegated_ops, golden_case, golden_run,
-                     program_ops, tiny_model)
+                     check_last_token_prefill, check_prefix_steps, check_verify_step, delegated_ops, golden_case,
+                     golden_run, program_ops, tiny_model)
 
 from shram_static import StaticDecoder
 from shram_static.accelerators import enabled
@@ -97,22 +97,27 @@ def test_shared_program_lowered_in_two_processes(builtin):
 
 
 @pytest.mark.heavy
-def test_last_token_prefill_and_verify_methods(tmp_path):
+def test_last_token_prefill_and_verify_methods(tmp_path, monkeypatch):
     """The default export (`full_logits=False`) with a verify method as wide as its prefill
     chunk: `prefill` returns each row's last live token's logits, [B, 1, V], and verification
     runs `verify`, not `prefill` (`check_last_token_prefill`); verify, per-row rollback and
     speculative generation against the eager decoder (`check_verify_step`). `verify` attends
-    every expert's cache where it lies, as `prefill` does: no cache gathered per query (a
-    portable copy of C*K caches per layer)."""
+    every expert's cache where it lies, as `prefill` does (no cache gathered per query). Each
+    step method attends a prefix of the sparse caches, of a length the runner picks per step
+    (`check_prefix_steps`), with allowlisted kernels only."""
     model = tiny_model(num_decoder_layers=1, training_sequence_length=64)  # one layer: half the export
-    et = lower_program(model, batch_size=3, prefill_chunk=4, verify_len=4)
+    et = lower_program(model, batch_size=3, prefill_chunk=4, verify_len=4, prefix_lengths=(4, 8))
     (tmp_path / "m.pte").write_bytes(et.buffer)
     dec = load_pte(str(tmp_path / "m.pte"))
     assert dec.meta["full_logits"] is False and dec.meta["verify_method"] == "verify"
-    for method in ("prefill", "verify"):
-        assert "aten::index_select.out" not in program_ops(et, method)["kernels"], method
+    assert dec.meta["prefix_lengths"] == [4, 8, 20] and dec.meta["slots_methods"] == ["decode", "prefill", "verify"]
+    for method in ("decode", "prefill", "verify"):
+        kernels = program_ops(et, method)["kernels"]
+        assert set(kernels) <= ALLOWED_KERNELS, f"{method}: {sorted(set(kernels) - ALLOWED_KERNELS)}"
+        assert method == "decode" or "aten::index_select.out" not in kernels, method
     check_last_token_prefill(dec, model)
     check_verify_step(dec, model)
+    check_prefix_steps(dec, model, monkeypatch)
 
 
 # Decode-only programs of the golden cases but the shared one; STOCK_LOWERING_CASE's is checked in

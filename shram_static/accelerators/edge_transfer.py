@@ -7,6 +7,8 @@ The emitted program is the one lowering here gives, but for where memory plannin
 tensors of equal size (an order hashed by object identity, not fixed between processes).
 """
 
+import logging
+
 import torch
 import torch.utils._pytree as pytree
 
@@ -80,7 +82,15 @@ def edge_program_from_value(value: tuple):
     from executorch.exir.serde.serialize import deserialize
 
     fields, flags, data = value
-    ep = deserialize(SerializedArtifact(*fields))
+    # WHY the filter: a method with a dynamic size (the slots of a prefix step) logs, per
+    # symbol of its shape environment that no graph node names, a warning that changes nothing
+    log = logging.getLogger("executorch.exir.serde.export_serialize")
+    quiet = lambda record: "did not appear in the graph" not in record.getMessage()  # noqa: E731
+    log.addFilter(quiet)
+    try:
+        ep = deserialize(SerializedArtifact(*fields))
+    finally:
+        log.removeFilter(quiet)
     _put_back(_lowered_modules(ep), data)
     for node in ep.graph.nodes:
         for v, grad in zip(pytree.tree_leaves(node.meta.get("val")), flags.get(node.name, ())):

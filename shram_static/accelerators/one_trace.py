@@ -23,7 +23,7 @@ def _lighter(ep):
     return ep
 
 
-def export_decomposed(mod: torch.nn.Module, args: tuple, decompositions: dict):
+def export_decomposed(mod: torch.nn.Module, args: tuple, decompositions: dict, dynamic_shapes=None):
     """`torch.export.export(mod, args, strict=False).run_decompositions(decompositions)` in one
     trace: the module traced straight to functional ATen with `decompositions` applied.
 
@@ -40,6 +40,7 @@ def export_decomposed(mod: torch.nn.Module, args: tuple, decompositions: dict):
         mod: the module (in eval mode, its inputs static).
         args: example positional inputs.
         decompositions: op -> decomposition, as for `run_decompositions`.
+        dynamic_shapes: as for `torch.export.export`.
 
     Returns:
         The decomposed `ExportedProgram`.
@@ -49,7 +50,7 @@ def export_decomposed(mod: torch.nn.Module, args: tuple, decompositions: dict):
         # quantized weights): it fails (IndexError in `set_missing_meta_vals`). The training IR
         # unwraps them; its second trace is then the price.
         with torch.no_grad():
-            ep = torch.export.export(mod, args, strict=False)
+            ep = torch.export.export(mod, args, strict=False, dynamic_shapes=dynamic_shapes)
         return _lighter(ep).run_decompositions(decompositions)
 
     from torch.export import _trace
@@ -62,7 +63,7 @@ def export_decomposed(mod: torch.nn.Module, args: tuple, decompositions: dict):
     _trace._export_to_aten_ir = functools.partial(to_aten, decomp_table=python)
     try:
         with torch.no_grad(), _override_composite_implicit_decomp(cia):
-            ep = _trace._export(mod, args, strict=False, pre_dispatch=False)
+            ep = _trace._export(mod, args, dynamic_shapes=dynamic_shapes, strict=False, pre_dispatch=False)
     finally:
         _trace._export_to_aten_ir = to_aten
     _remove_unnecessary_copy_op_pass(ep.graph_module, ep.graph_signature)
@@ -82,7 +83,8 @@ def export_and_lower(methods: dict, partitioner, constant_methods: dict, compile
     partitioner's own support check, and any rejection falls back to the stock calls.
 
     Args:
-        methods: method name -> (module, example positional inputs); strict=False, no_grad.
+        methods: method name -> (module, example positional inputs) or (module, inputs,
+            dynamic_shapes); strict=False, no_grad.
         partitioner: one partitioner for every method.
         constant_methods: as for `to_edge_transform_and_lower`.
         compile_config: an `EdgeCompileConfig` (its `preserve_ops` is extended, not replaced).
@@ -101,7 +103,7 @@ def export_and_lower(methods: dict, partitioner, constant_methods: dict, compile
     table = _program._default_decomposition_table()
     for op in [*compile_config.preserve_ops, *kept]:
         table.pop(op, None)
-    programs = {name: export_decomposed(mod, args, table) for name, (mod, args) in methods.items()}
+    programs = {name: export_decomposed(*m[:2], table, *m[2:]) for name, m in methods.items()}
     present = {n.target for ep in programs.values() for n in ep.graph.nodes if n.op == "call_function"}
     keep = [op for op in kept if op in present]
     config = dataclasses.replace(compile_config, preserve_ops=list(compile_config.preserve_ops) + keep)
@@ -134,6 +136,7 @@ def _stock_lower(methods: dict, partitioner, constant_methods: dict, compile_con
     from executorch.exir import to_edge_transform_and_lower
 
     with torch.no_grad():
-        aten = {name: torch.export.export(mod, args, strict=False) for name, (mod, args) in methods.items()}
+        aten = {name: torch.export.export(*m[:2], strict=False, dynamic_shapes=(m[2:] or (None,))[0])
+                for name, m in methods.items()}
     return to_edge_transform_and_lower(aten, partitioner=[partitioner], compile_config=compile_config,
                                        constant_methods=constant_methods)

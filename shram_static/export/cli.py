@@ -75,7 +75,7 @@ def export_main(args) -> int:
                                 prefill_chunk=None if args.decode_only else args.prefill_chunk,
                                 quantize=quantize, eos_token_id=eos, bos_token_id=tok.bos_token_id,
                                 quantize_embedding=args.quantize_embedding, parallel=args.parallel,
-                                full_logits=args.full_logits)]
+                                full_logits=args.full_logits, prefix_decode=args.prefix_decode)]
         else:
             suffix = f".{quantize}" if quantize else ""
             paths = export_onnx(model, f"{stem}{suffix}.onnx", batch_size=args.batch_size,
@@ -116,6 +116,10 @@ def register(subparsers) -> None:
     p.add_argument("--quantize-embedding", action="store_true",
                    help="with --quantize, store the embedding as int8 rows too: a quarter of its bytes, "
                         "same speed, more logit drift")
+    p.add_argument("--prefix-decode", action="store_true",
+                   help="pte at batch 1: also write a decode method over the live prefix of the sparse caches "
+                        "(what the Python runner then uses; stock runners keep the whole-cache `forward`): "
+                        "cheaper decode at a large capacity, one more method to lower")
     p.add_argument("--parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="export the decode and prefill steps in two processes at once (Linux, 2+ CPUs; "
                         "default): ~1.3x faster, up to twice the peak memory")

@@ -9,12 +9,17 @@ from torch import nn
 
 from ..config import ShramConfig
 from ..fast_layers import fuse_experts_
+from ..state import prefix_len, prefix_lengths
+from ..step import slot_numbers
 from ..validation import check_verify_len
 
 PTE_FORMAT = "shram_static.pte/1"
 # file_identifier of the ExecuTorch flatbuffer (bytes 4..8 of every .pte written by 1.x).
 PTE_MAGIC = b"ET12"
 ONNX_FORMAT = "shram_static.onnx/1"
+# The input of an exported step that numbers the sparse slots it attends: (P,) float32
+# `slot_numbers(T)[:P]`, P a bounded dynamic size (`export_prefix_lengths`).
+SLOTS_INPUT = "slots"
 
 
 def check_export_args(cfg: ShramConfig, batch_size, prefill_chunk, eos_token_id, bos_token_id=None, *,
@@ -63,3 +68,55 @@ def graph_paths(path, verify: bool = False) -> dict[str, str]:
     if verify:
         out["verify"] = stem + ".verify.onnx"
     return out
+
+
+def export_prefix_lengths(cfg: ShramConfig, lengths=None) -> tuple[int, ...]:
+    """The prefix lengths an export's steps attend of each expert's sparse cache (the runners
+    pick one per step, as `StaticDecoder` does): the steps take them as one input of bounded
+    dynamic size, `slots` (P,) with lengths[0] <= P <= T.
+
+    Args:
+        cfg: the model config (T = `mosrah_cache_length`).
+        lengths: None: `state.prefix_lengths(cfg)` (powers of two from 64 up to half the
+            cache), the last the T real slots (no live slot is ever past T - 1; the sink, slot
+            T, is never attended). Else ascending ints in [2, T]; T is added when missing.
+            () or a single length T: whole-cache steps, no `slots` input.
+
+    Returns:
+        the lengths, ascending, the last T; () for whole-cache steps.
+
+    Raises:
+        ValueError: lengths that are not ascending ints in [2, T].
+    """
+    T = cfg.mosrah_cache_length
+    if lengths is None:
+        lengths = prefix_lengths(cfg)[:-1]
+    lengths = tuple(lengths)
+    if (any(isinstance(p, bool) or not isinstance(p, int) or not 2 <= p <= T for p in lengths)
+            or any(a >= b for a, b in zip(lengths, lengths[1:]))):
+        raise ValueError(f"prefix_lengths must be ascending ints in [2, {T}] (the sparse cache "
+                         f"length), got {lengths!r}")
+    if not lengths:
+        return ()
+    lengths = lengths if lengths[-1] == T else (*lengths, T)
+    return lengths if len(lengths) > 1 else ()
+
+
+class PrefixSlots:
+    """What a runner of an export with prefix lengths feeds its steps: the `slots` input of the
+    shortest length holding every row's live slots after the step (`state.prefix_len`, the
+    choice `StaticDecoder` makes).
+
+    Args:
+        cfg: the model config.
+        lengths: the export's lengths (`export_prefix_lengths`, from its metadata).
+    """
+
+    def __init__(self, cfg: ShramConfig, lengths):
+        self.lengths = tuple(lengths)
+        self.block = cfg.block_length
+        self.table = slot_numbers(cfg.mosrah_cache_length)[:self.lengths[-1]].contiguous()
+
+    def __call__(self, input_pos: torch.Tensor, chunk: int) -> torch.Tensor:
+        """(P,) float32 slot numbers for a step of `chunk` tokens per row at `input_pos` (B,)."""
+        return self.table[:prefix_len(self.lengths, self.block, int(input_pos.max()) + chunk)]

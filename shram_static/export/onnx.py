@@ -11,7 +11,10 @@ Files for `export_onnx(model, "m.onnx", ...)`:
 Each graph is `(input_ids [B, C] int64, position_ids [B] int64, live [B, C] bool,
 past.<name>...) -> (logits [B, C, V], present.<name>...)` (the prefill graph's logits as said
 above) over the state tensors of `StaticState.names()`; `position_ids` is the number of live
-tokens each row holds before the call (the position of its first live token). The model config
+tokens each row holds before the call (the position of its first live token). An export with
+prefix lengths (the default where the sparse caches are long enough: `prefix_lengths`) takes
+`slots [P] float32` after `live`, the numbers of the first P slots of each expert's cache the
+step attends (`step.step`), P a dynamic dimension. The model config
 and the export parameters are JSON strings in `metadata_props` (`shram_config`, `shram_export`).
 
 WHY pure functions: the dynamo exporter turns in-place buffer mutations into constant
@@ -34,27 +37,50 @@ from .. import accelerators
 from ..config import ShramConfig
 from ..console import without_leafspec_notice
 from ..state import StaticState
-from ..step import FunctionalStep
-from .common import ONNX_FORMAT, check_export_args, export_copy, graph_paths
+from ..step import FunctionalStep, slot_numbers, step
+from .common import ONNX_FORMAT, SLOTS_INPUT, check_export_args, export_copy, export_prefix_lengths, graph_paths
 from .onnx_quantize import ACCURACY_LEVEL, BLOCK, check_onnx_quantize, quantize_graph
 
 _ALIGN = 64  # byte alignment of each tensor in the shared data file
 
 
-def _export_graph(fn: FunctionalStep, state: StaticState, C: int):
+class _SlotsStep(FunctionalStep):
+    """The pure step over the first P sparse slots of each expert's cache, numbered by its
+    input: `(tokens, input_pos, live, slots (P,) float32, *state) -> (logits, *new_state)`."""
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor, slots: torch.Tensor,
+                *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits, new_state = step(self.model, list(state), tokens, input_pos, live, self.ring, inplace=False,
+                                 per_token_max=self.per_token_max, last_only=self.last_only, slots=slots)
+        return (logits, *new_state)
+
+
+def _export_graph(fn: FunctionalStep, state: StaticState, C: int, lengths: tuple[int, ...] = ()):
     """torch.onnx.export (dynamo, opset 23) of the pure step for chunk length C, its RMSNorms,
-    RoPEs and max trees fused (`onnx_fusions`); returns the ModelProto."""
+    RoPEs and max trees fused (`onnx_fusions`); returns the ModelProto. With `lengths` (a
+    `_SlotsStep`), the graph takes `slots` [P], lengths[0] <= P <= lengths[-1], after `live`.
+    WHY a required input, without a default (an initializer of its name): onnxruntime's
+    IOBinding, which the runners need for the state, cannot bind an overridable initializer."""
     from .onnx_fusions import OPSET, fuse_onnx_ops  # imports onnxscript: only when exporting
 
     B = state.batch_size
     names = state.names()
+    slots = slot_numbers(fn.model.config.mosrah_cache_length)[:lengths[-1]] if lengths else None
     args = (torch.zeros(B, C, dtype=torch.long), torch.zeros(B, dtype=torch.long),
-            torch.ones(B, C, dtype=torch.bool), *[t.clone() for t in state.tensors()])
+            torch.ones(B, C, dtype=torch.bool), *([slots] if lengths else []), *[t.clone() for t in state.tensors()])
+    dynamic = None
+    if lengths:  # tokens, input_pos, live, slots, the state (*state: one entry)
+        # WHY {} (static) and not None for each state tensor: torch.onnx.export takes a tuple of
+        # Nones for one tensor's axes and turns it into a list, which torch.export then rejects
+        dynamic = (None, None, None, {0: torch.export.Dim("P", min=lengths[0], max=lengths[-1])},
+                   ({},) * len(names))
     with torch.no_grad(), accelerators.onnx_export(), without_leafspec_notice():
         prog = torch.onnx.export(
             fn, args, dynamo=True, optimize=True, verbose=False, opset_version=OPSET,
-            input_names=["input_ids", "position_ids", "live", *[f"past.{n}" for n in names]],
+            input_names=["input_ids", "position_ids", "live", *([SLOTS_INPUT] if lengths else []),
+                         *[f"past.{n}" for n in names]],
             output_names=["logits", *[f"present.{n}" for n in names]],
+            dynamic_shapes=dynamic,
         )
     fuse_onnx_ops(prog.model)
     return prog.model_proto
@@ -97,7 +123,8 @@ def _externalize(models: list, data_path: str, min_bytes: int = 1024) -> None:
 def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32,
                 eos_token_id: int | None = None, *, parallel: bool = True,
                 verify_len: int | None = None, full_logits: bool = False,
-                quantize: str | None = None, quantize_embedding: bool = False) -> dict[str, str]:
+                quantize: str | None = None, quantize_embedding: bool = False,
+                prefix_lengths=None) -> dict[str, str]:
     """Writes the decode and prefill graphs and their shared weights (see module docstring).
 
     Args:
@@ -123,26 +150,34 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
             `onnx_quantize.py`); the metadata (`shram_export`) records the mode and how many.
         quantize_embedding: with quantize="int4", the token embedding too (int4 rows,
             `GatherBlockQuantized`).
+        prefix_lengths: the prefix lengths of the sparse caches the graphs attend
+            (`common.export_prefix_lengths`; default powers of two from 64, then the whole
+            cache; () for whole-cache graphs): every graph takes one more input, `slots` [P]
+            float32 (`slot_numbers(T)[:P]`, P a dynamic size; `slot_numbers(T)[:T]` is the whole
+            cache), and `load_onnx` picks the shortest length holding every row's live slots.
+            Recorded in the metadata (`prefix_lengths`).
 
     Returns:
         The paths written, as `graph_paths(path, verify)` (without "prefill" when decode only).
     """
-    import onnx
-
     cfg: ShramConfig = model.config
     C = 1 if prefill_chunk is None else prefill_chunk
     check_export_args(cfg, batch_size, C, eos_token_id, parallel=parallel, full_logits=full_logits,
                       verify_len=verify_len)
     check_onnx_quantize(quantize)
+    lengths = export_prefix_lengths(cfg, prefix_lengths)
     if quantize_embedding and quantize != "int4":
         raise ValueError(f"quantize_embedding needs quantize='int4' (int4 rows), got quantize={quantize!r}")
+    import onnx
+
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
     state = StaticState(cfg, batch_size, C, dtype=dtype, rollback_limit=verify_len)
     # Every step of more than one token (verify too) attends expert by expert, as in
     # `export_pte` (WHY there: onnxruntime's Gather copies the gathered caches as well).
-    fn = FunctionalStep(model, state).eval()
-    fn_last = FunctionalStep(model, state, last_only=True).eval()
+    kind = _SlotsStep if lengths else FunctionalStep
+    fn = kind(model, state).eval()
+    fn_last = kind(model, state, last_only=True).eval()
     paths = graph_paths(path, verify=True)
     os.makedirs(os.path.dirname(os.path.abspath(paths["decode"])), exist_ok=True)
     export_id = uuid.uuid4().hex  # ties the files of one export together
@@ -152,7 +187,8 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
     if verify_len is not None:
         chunks["verify"] = verify_len
     step_of = {role: fn_last if role == "prefill" and not full_logits else fn for role in chunks}
-    jobs = {role: functools.partial(_export_graph, step_of[role], state, chunks[role]) for role in reversed(chunks)}
+    jobs = {role: functools.partial(_export_graph, step_of[role], state, chunks[role], lengths)
+            for role in reversed(chunks)}
     protos = accelerators.run_jobs(jobs, lambda m: m.SerializeToString(), onnx.ModelProto.FromString, parallel)
     models = {}
     for role, c in chunks.items():
@@ -166,7 +202,8 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
                 "quantize": quantize, **quantized, "batch_size": batch_size, "prefill_chunk": C, "chunk": c,
                 "state_names": state.names(),
                 "rollback_limit": state.rollback_limit, "verify_len": verify_len, "full_logits": full_logits,
-                "eos_token_id": eos_token_id, "dtype": str(dtype).replace("torch.", "")}
+                "eos_token_id": eos_token_id, "dtype": str(dtype).replace("torch.", ""),
+                "prefix_lengths": list(lengths)}
         onnx.helper.set_model_props(m, {"shram_config": cfg.to_json_string(use_diff=False),
                                          "shram_export": json.dumps(meta)})
         models[role] = m

@@ -11,7 +11,7 @@ import torch
 from ..config import ShramConfig
 from ..errors import ExportFormatError
 from ..host import HostDecoder
-from .common import ONNX_FORMAT, graph_paths
+from .common import ONNX_FORMAT, SLOTS_INPUT, PrefixSlots, graph_paths
 
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
               "tensor(bool)": np.bool_, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
@@ -49,6 +49,7 @@ class _Graph:
             raise ExportFormatError(f"onnxruntime cannot load {path} (truncated, or its .data file "
                                     f"is missing or damaged?): {e}") from e
         self.inputs = {i.name: i for i in self.sess.get_inputs()}
+        self.takes_slots = SLOTS_INPUT in self.inputs  # the sparse slots it attends
         self.binding = self.sess.io_binding()
         shape = self.sess.get_outputs()[0].shape
         self.logits = np.zeros(shape, dtype=_NP_DTYPES[self.sess.get_outputs()[0].type])
@@ -60,11 +61,13 @@ class _Graph:
             self.binding.bind_ortvalue_input(f"past.{n}", a)
             self.binding.bind_ortvalue_output(f"present.{n}", b)
 
-    def run(self, ids: np.ndarray, pos: np.ndarray, live: np.ndarray) -> np.ndarray:
-        self._keep = (ids, pos, live)  # the binding points into these arrays until the run ends
+    def run(self, ids: np.ndarray, pos: np.ndarray, live: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
+        self._keep = (ids, pos, live, slots)  # the binding points into these arrays until the run ends
         self.binding.bind_cpu_input("input_ids", ids)
         self.binding.bind_cpu_input("position_ids", pos)
         self.binding.bind_cpu_input("live", live)
+        if slots is not None:
+            self.binding.bind_cpu_input(SLOTS_INPUT, slots)
         self.sess.run_with_iobinding(self.binding)
         return self.logits.copy()
 
@@ -114,6 +117,14 @@ class OnnxDecoder(HostDecoder):
         # absent: written before last-token prefill graphs, whose prefill returned every token's
         self.full_logits = bool(meta.get("full_logits", True)) or "prefill" not in roles
         self._graphs = {role: _Graph(paths[role], threads) for role in roles}
+        # The slots each step attends (absent from the metadata: an export of whole-cache graphs).
+        lengths = meta.get("prefix_lengths") or ()
+        self._slots = PrefixSlots(config, lengths) if lengths else None
+        for role, g in self._graphs.items():
+            if g.takes_slots != bool(lengths):
+                raise ExportFormatError(
+                    f"{paths[role]} {'takes' if g.takes_slots else 'has no'} a {SLOTS_INPUT!r} input, but the "
+                    f"metadata lists prefix lengths {list(lengths)} (a file from another export?)")
         B, C, V = self.batch_size, self.prefill_chunk, config.vocab_size
         for role, g in self._graphs.items():
             c = {"decode": 1, "prefill": C, "verify": self.verify_len}[role]
@@ -148,9 +159,10 @@ class OnnxDecoder(HostDecoder):
             g.bind_state(self.names, self._state[0], self._state[1])
             self._state.reverse()  # after this run the outputs are the current state
             self._arrays.reverse()
+        slots = None if self._slots is None else self._slots(input_pos, tokens.shape[1]).numpy()
         out = g.run(np.ascontiguousarray(tokens.numpy(), dtype=np.int64),
                     np.ascontiguousarray(input_pos.numpy(), dtype=np.int64),
-                    np.ascontiguousarray(live.numpy(), dtype=np.bool_))
+                    np.ascontiguousarray(live.numpy(), dtype=np.bool_), slots)
         return torch.from_numpy(out)
 
     def _reset_state(self) -> None:

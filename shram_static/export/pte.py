@@ -14,7 +14,13 @@ One program holds:
     `ExecuTorchModelForCausalLM` (also `get_bos_id`, `get_vocab_size`, `get_max_batch_size`,
     `get_dtype`) and by `load_pte`
     (`get_shram_config`: the model config JSON; `get_shram_export`: batch size, chunk,
-    quantization, state names, method names, as JSON).
+    quantization, state names, method names, prefix lengths, as JSON).
+Every step method but `forward` also takes `slots [P] float32`, the numbers of the first P
+slots of each expert's sparse cache it attends (`step.step`), P a bounded dynamic size; the
+runner picks P per step from the export's prefix lengths (`common.export_prefix_lengths`). At
+batch 1 with `prefix_decode` it also holds `decode(tokens [1, 1], input_pos [1], live [1, 1],
+slots)`, the decode step `load_pte` then runs (`forward`, for stock runners, attends the whole
+cache).
 Both step methods share one set of mutable state buffers. Every piece of bookkeeping is
 derived from `input_pos`, so a call at position 0 starts a fresh sequence without clearing
 anything (what the stock runner's `reset()` relies on).
@@ -32,8 +38,8 @@ from ..config import ShramConfig
 from ..console import without_leafspec_notice
 from ..errors import ExportFormatError  # noqa: F401 (importable from here too)
 from ..state import StaticState
-from ..step import StepModule
-from .common import PTE_FORMAT, check_export_args, export_copy
+from ..step import StepModule, slot_numbers
+from .common import PTE_FORMAT, check_export_args, export_copy, export_prefix_lengths
 from .partition import xnnpack_partitioner
 from .quantize import QUANTIZE_MODES, quantize_weights_
 from .views import state_view_planning, written_cache_views_pass
@@ -53,9 +59,11 @@ class _Decode1(nn.Module):
 
 
 class _Chunk(nn.Module):
-    """Batched step with live flags: `(tokens [B, C], input_pos [B], live [B, C])` -> logits
-    `[B, C, V]` (verify, full-logits prefill), `[B, 1, V]` at each row's last live token with
-    `last_live=True` (prefill), or `[B, V]` with `last=True` (the batched decode method, C = 1)."""
+    """Batched step with live flags: `(tokens [B, C], input_pos [B], live [B, C][, slots [P]])`
+    -> logits `[B, C, V]` (verify, full-logits prefill), `[B, 1, V]` at each row's last live
+    token with `last_live=True` (prefill), or `[B, V]` with `last=True` (the batched decode
+    method, C = 1); over the first P sparse slots of each expert's cache with `slots`
+    (`step.step`), else the whole cache."""
 
     def __init__(self, step: StepModule, last: bool, last_live: bool = False):
         super().__init__()
@@ -63,8 +71,9 @@ class _Chunk(nn.Module):
         self.last = last
         self.last_live = last_live
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        logits = self.step(tokens, input_pos, live, last_only=self.last_live)
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.step(tokens, input_pos, live, last_only=self.last_live, slots=slots)
         return logits[:, -1, :] if self.last else logits
 
 
@@ -104,7 +113,7 @@ def _init_first_method_pass(names):
 def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, quantize: str | None = None,
                   eos_token_id: int | None = None, bos_token_id: int | None = None, *,
                   quantize_embedding: bool = False, parallel: bool = True, verify_len: int | None = None,
-                  full_logits: bool = False):
+                  full_logits: bool = False, prefix_lengths=None, prefix_decode: bool = False):
     """Exports and lowers the two steps (with `parallel`, the decode step in a forked process);
     returns the `ExecutorchProgramManager` (not written).
 
@@ -113,8 +122,6 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     Returns:
         The program manager; `.buffer` is the .pte bytes.
     """
-    from executorch.exir import EdgeCompileConfig, EdgeProgramManager, ExecutorchBackendConfig
-
     cfg: ShramConfig = model.config
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
@@ -126,6 +133,11 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     bos_token_id = getattr(cfg, "bos_token_id", None) if bos_token_id is None else bos_token_id
     check_export_args(cfg, batch_size, 1 if prefill_chunk is None else prefill_chunk, eos_token_id,
                       bos_token_id, parallel=parallel, full_logits=full_logits, verify_len=verify_len)
+    lengths = export_prefix_lengths(cfg, prefix_lengths)
+    if not isinstance(prefix_decode, bool):
+        raise TypeError(f"prefix_decode must be a bool, got {prefix_decode!r}")
+    from executorch.exir import EdgeCompileConfig, EdgeProgramManager, ExecutorchBackendConfig
+
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
     if quantize is not None:
@@ -156,6 +168,19 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         Cv = verify_len
         methods["verify"] = (_Chunk(step, last=False), (torch.zeros(B, Cv, **i64), torch.zeros(B, **i64),
                                                         torch.ones(B, Cv, dtype=torch.bool)))
+    # Every step method but the stock runner's `forward` takes the slots it attends (P,) as a
+    # bounded dynamic size: one method serves every length, and a step's sparse attention
+    # costs what the rows' depth needs, not the capacity. `forward` keeps the whole cache; at
+    # batch 1 with `prefix_decode`, a `decode` method with the slots is what `load_pte` runs.
+    if lengths and B == 1 and prefix_decode:
+        methods["decode"] = (_Chunk(step, last=True), (*dec_args, torch.ones(1, 1, dtype=torch.bool)))
+    slots_methods = [name for name in methods if name != "forward"] if lengths else []
+    if slots_methods:
+        P = torch.export.Dim("P", min=lengths[0], max=lengths[-1])
+        slots = slot_numbers(cfg.mosrah_cache_length)[:lengths[-1]]
+        for name in slots_methods:
+            mod, args = methods[name]
+            methods[name] = (mod, (*args, slots), (*[None] * len(args), {0: P}))
     # _check_ir_validity=False, as ExecuTorch's llama export does. WHY: the edge verifier re-checks
     # every graph after every pass (a tenth of lowering time), and since a delegate holds a whole
     # norm + projections block (docs/performance.md, "`.pte`") it rejects, inside XNNPACK's own
@@ -180,7 +205,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         "prefill_method": None if prefill_chunk is None else "prefill", "state_names": state.names(),
         "eos_token_id": eos_token_id, "bos_token_id": bos_token_id,
         "rollback_limit": state.rollback_limit, "verify_len": verify_len, "verify_method": verify_method,
-        "full_logits": full_logits,
+        "full_logits": full_logits, "prefix_lengths": list(lengths), "slots_methods": slots_methods,
     }
     constants = {
         "get_max_seq_len": cfg.inference_sequence_length,
@@ -227,7 +252,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
 def export_pte(model, path, batch_size: int = 1, prefill_chunk: int | None = 32, quantize: str | None = None,
                eos_token_id: int | None = None, bos_token_id: int | None = None, *,
                quantize_embedding: bool = False, parallel: bool = True, verify_len: int | None = None,
-               full_logits: bool = False) -> str:
+               full_logits: bool = False, prefix_lengths=None, prefix_decode: bool = False) -> str:
     """Writes one ExecuTorch program (XNNPACK delegate, portable kernels for the rest).
 
     Args:
@@ -258,13 +283,23 @@ def export_pte(model, path, batch_size: int = 1, prefill_chunk: int | None = 32,
             (perplexity) needs. Default False: only each row's last live token's, [B, 1, V],
             which is all generation reads, and the lm_head then runs on B rows instead of
             B x C (the same default as ExecuTorch's llama export, `generate_full_logits`).
+        prefix_lengths: the prefix lengths of the sparse caches the step methods attend
+            (`common.export_prefix_lengths`; default powers of two from 64, then the whole
+            cache; () for whole-cache methods): every method but `forward` takes one more input,
+            `slots` [P] float32 (`slot_numbers(T)[:P]`), P a bounded dynamic size, and
+            `load_pte` picks the shortest length holding every row's live slots. Recorded in
+            the metadata (`prefix_lengths`, `slots_methods`).
+        prefix_decode: at batch 1 with prefix lengths, also write `decode(tokens [1, 1],
+            input_pos [1], live [1, 1], slots [P])`, the decode step over a prefix that
+            `load_pte` then runs (`forward` keeps the whole cache for stock runners). One more
+            method to lower (docs/performance.md, "`.onnx`": the export's time and what it buys).
 
     Returns:
         The path written.
     """
     et = lower_program(model, batch_size, prefill_chunk, quantize, eos_token_id, bos_token_id,
                        quantize_embedding=quantize_embedding, parallel=parallel, verify_len=verify_len,
-                       full_logits=full_logits)
+                       full_logits=full_logits, prefix_lengths=prefix_lengths, prefix_decode=prefix_decode)
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "wb") as f:

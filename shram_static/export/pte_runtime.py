@@ -12,7 +12,7 @@ import torch
 from ..config import ShramConfig
 from ..errors import ExportFormatError
 from ..host import HostDecoder
-from .common import PTE_FORMAT, PTE_MAGIC
+from .common import PTE_FORMAT, PTE_MAGIC, PrefixSlots
 
 
 @contextlib.contextmanager
@@ -94,7 +94,24 @@ class PteDecoder(HostDecoder):
         except Exception as e:
             raise ExportFormatError(f"{path}: loading the step methods failed (truncated, or built "
                                     f"with kernels this runtime lacks?): {e}") from e
+        # The methods that take the sparse slots they attend (absent: an export of whole-cache
+        # methods only), and the slots of each step (`PrefixSlots`). At batch 1 the decode step
+        # with them is `decode` beside the stock runner's `forward` (which carries the state's
+        # starting values, so it is loaded first all the same).
+        takes = set(meta.get("slots_methods", ()))
+        if meta["decode_method"] == "forward" and "decode" in takes:
+            self._check_signature("decode", (B, 1), (B, V))
+            self._forward = self._decode  # kept loaded: the shared state's first method
+            try:
+                self._decode = program.load_method("decode")
+            except Exception as e:
+                raise ExportFormatError(f"{path}: loading the decode method failed: {e}") from e
+            meta = {**meta, "decode_method": "decode"}
         self._batched = meta["decode_method"] != "forward"
+        self._slots_methods = [m for m, name in ((self._decode, meta["decode_method"]),
+                                                 (self._prefill, meta["prefill_method"]), (self._verify, "verify"))
+                               if m is not None and name in takes]
+        self._slots = PrefixSlots(config, meta["prefix_lengths"]) if self._slots_methods else None
 
     def _check_signature(self, method: str, tokens_shape, logits_shape) -> None:
         """Raises ExportFormatError unless the method's tensors match the stored config."""
@@ -127,12 +144,19 @@ class PteDecoder(HostDecoder):
         if self.full_logits:  # a prefill method of every token's logits: keep the last ones
             return super()._run_last(tokens, input_pos, live)
         with torch_threads(1):  # as in _run
-            return self._prefill.execute([tokens.contiguous(), input_pos.contiguous(), live.contiguous()])[0]
+            return self._with_slots(self._prefill, tokens.contiguous(), input_pos.contiguous(), live.contiguous())
+
+    def _with_slots(self, method, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """Runs a step method (with the slots it attends where it takes them); its logits."""
+        args = [tokens, input_pos, live]
+        if any(method is m for m in self._slots_methods):
+            args.append(self._slots(input_pos, tokens.shape[1]))
+        return method.execute(args)[0]
 
     def _execute(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] == 1:
             if self._batched:
-                out = self._decode.execute([tokens, input_pos, live])[0]
+                out = self._with_slots(self._decode, tokens, input_pos, live)
             elif bool(live.all()):
                 out = self._decode.execute([tokens, input_pos])[0]
             else:
@@ -141,8 +165,8 @@ class PteDecoder(HostDecoder):
                 out = torch.zeros(1, self.config.vocab_size)
             return out[:, None, :]
         if tokens.shape[1] != self.prefill_chunk or self._prefill is None or not self.full_logits:
-            return self._verify.execute([tokens, input_pos, live])[0]
-        return self._prefill.execute([tokens, input_pos, live])[0]
+            return self._with_slots(self._verify, tokens, input_pos, live)
+        return self._with_slots(self._prefill, tokens, input_pos, live)
 
 
 def load_pte(path) -> PteDecoder:

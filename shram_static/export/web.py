@@ -197,9 +197,10 @@ def export_web(model, tokenizer, out_dir, prefill_chunk: int | None = 32, *, par
     dist = find_ort_web(ort_web)  # before the export's minutes, not after
     os.makedirs(out_dir, exist_ok=True)
     tok_entry = _tokenizer_entry(tokenizer, out_dir)
+    # whole-cache graphs (prefix_lengths=()): the module feeds no `slots` input
     paths = export_onnx(model, os.path.join(out_dir, "model.onnx"), batch_size=1, prefill_chunk=prefill_chunk,
                         eos_token_id=tokenizer.eos_token_id, parallel=parallel, full_logits=full_logits,
-                        quantize=quantize, quantize_embedding=quantize == "int4")
+                        quantize=quantize, quantize_embedding=quantize == "int4", prefix_lengths=())
     for role in ("decode", "prefill"):
         if role in paths:  # model.onnx -> model.rows.onnx, model.prefill.onnx -> model.rows.prefill.onnx
             strip_node_metadata(paths[role])
