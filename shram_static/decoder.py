@@ -12,8 +12,8 @@ from .fast_layers import FEW_ROWS, RowExperts, RowLinear, row_linear_, shared_co
 from .console import info
 from .host import HostDecoder
 from .quantized import Int4Linear, Int8Linear, check_quantize, quantize_linears_
-from .state import MIN_PREFIX, StaticState, prefix_len, prefix_lengths
-from .step import StepModule, slot_numbers
+from .state import MIN_PREFIX, StaticState, prefix_len, prefix_lengths, slot_numbers
+from .step import StepModule
 from .validation import check_verify_len
 
 

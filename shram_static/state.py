@@ -109,6 +109,13 @@ def prefix_len(lengths: tuple[int, ...], block_length: int, counts_after: int) -
     return lengths[min(i, len(lengths) - 1)]
 
 
+def slot_numbers(T: int, device=None) -> torch.Tensor:
+    """(T + 1,) float32: the number of each slot of an expert's cache, arange(T), then 2**24 at
+    the sink (past every slot: never attended). A step attends the first P (`step`'s slots)."""
+    ar = torch.arange(T + 1, device=device)
+    return torch.where(ar < T, ar, 2 ** 24).float()
+
+
 class LayerState(nn.Module):
     def __init__(self, config: ShramConfig, batch_size: int, ring: int, dtype: torch.dtype, history: int = 1):
         super().__init__()

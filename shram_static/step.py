@@ -13,7 +13,7 @@ from .attention import attention_bias
 from .layers import DecoderLayer, StepContext, StepMode
 from .reductions import inclusive_cumsum
 from .rows import last_live
-from .state import StaticState
+from .state import StaticState, slot_numbers
 
 # WHY each layer is a nested compile region under torch.compile: Inductor then compiles the
 # repeated layer once instead of unrolling every layer into its own C++ (cold compile time
@@ -124,12 +124,6 @@ def context(model, live: torch.Tensor, input_pos: torch.Tensor, ring: int, histo
                        (ar_b * L)[:, None, None], torch.arange(L, device=dev),
                        slot_numbers(T, dev) if slots is None else slots, model.rope, mode)
 
-
-def slot_numbers(T: int, device=None) -> torch.Tensor:
-    """(T + 1,) float32: the number of each slot of an expert's cache, arange(T), then 2**24 at
-    the sink (past every slot: never attended). A step attends the first P (`step`'s slots)."""
-    ar = torch.arange(T + 1, device=device)
-    return torch.where(ar < T, ar, 2 ** 24).float()
 
 
 class StepModule(nn.Module):

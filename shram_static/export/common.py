@@ -9,8 +9,7 @@ from torch import nn
 
 from ..config import ShramConfig
 from ..fast_layers import fuse_experts_
-from ..state import prefix_len, prefix_lengths
-from ..step import slot_numbers
+from ..state import prefix_len, prefix_lengths, slot_numbers
 from ..validation import check_verify_len
 
 PTE_FORMAT = "shram_static.pte/1"

@@ -36,8 +36,8 @@ import torch
 from .. import accelerators
 from ..config import ShramConfig
 from ..console import without_leafspec_notice
-from ..state import StaticState
-from ..step import FunctionalStep, slot_numbers, step
+from ..state import StaticState, slot_numbers
+from ..step import FunctionalStep, step
 from .common import ONNX_FORMAT, SLOTS_INPUT, check_export_args, export_copy, export_prefix_lengths, graph_paths
 from .onnx_quantize import ACCURACY_LEVEL, BLOCK, check_onnx_quantize, quantize_graph
 

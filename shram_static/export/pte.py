@@ -37,8 +37,8 @@ from .. import accelerators
 from ..config import ShramConfig
 from ..console import without_leafspec_notice
 from ..errors import ExportFormatError  # noqa: F401 (importable from here too)
-from ..state import StaticState
-from ..step import StepModule, slot_numbers
+from ..state import StaticState, slot_numbers
+from ..step import StepModule
 from .common import PTE_FORMAT, check_export_args, export_copy, export_prefix_lengths
 from .partition import xnnpack_partitioner
 from .quantize import QUANTIZE_MODES, quantize_weights_
