@@ -59,14 +59,37 @@ def sites(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def site(sites):
+def traced_once():
+    """Within the module, `export_onnx` traces each of the built-in model's float graphs once:
+    a later export of the same step (chunk length, last-token logits, rows, rollback) gets a
+    copy of the graph the first one traced. Both sites export `default_model()`, so the int4
+    site quantizes the very float graphs the fp32 site holds, as one `export_web(quantize=...)`
+    quantizes the graphs it traced; tracing them again would cost ~20 s and check nothing more."""
+    import onnx as onnx_lib
+
+    from shram_static.export import onnx as onnx_export
+
+    traced, trace = {}, onnx_export._export_graph
+
+    def once(fn, state, C):
+        key = (C, fn.last_only, fn.per_token_max, state.batch_size, state.rollback_limit)
+        if key not in traced:
+            traced[key] = trace(fn, state, C).SerializeToString()
+        return onnx_lib.ModelProto.FromString(traced[key])  # a copy: the export edits its protos
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(onnx_export, "_export_graph", once)
+        yield
+
+
+@pytest.fixture(scope="module")
+def site(sites, traced_once):
     """The built-in model's site (prefill chunk 32), exported once for the module."""
     export_web(default_model(), ByteTokenizer(), str(sites / "fp32"), prefill_chunk=32, parallel=False)
     return sites / "fp32"
 
 
 @pytest.fixture(scope="module")
-def site_int4(sites):
+def site_int4(sites, traced_once):
     """The built-in model's int4 site (`export --format web --quantize int4`)."""
     export_web(default_model(), ByteTokenizer(), str(sites / "int4"), prefill_chunk=32, parallel=False,
                quantize="int4")
