@@ -404,12 +404,13 @@ def test_chromium_page(sites, site, site_int4, python_greedy, python_greedy_int4
 def test_chromium_webgpu_matches_wasm(sites, site, python_greedy, tmp_path):
     """Where the browser has a WebGPU adapter the page runs onnxruntime-web's WebGPU execution
     provider and says so; its greedy tokens equal WASM's (= `load_onnx`'s). Headless Chromium on
-    SwiftShader (WebGPU on the CPU's Vulkan: slow, so a few tokens)."""
+    SwiftShader (WebGPU on the CPU's Vulkan: slow, so three tokens: the prefill graph's, then two
+    decode steps, the second reading the state the first wrote)."""
     need(Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing (apt-get install chromium)")
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(sites)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        (tmp_path / "jobs.json").write_text(json.dumps([{"prompt": PROMPTS[0], "options": {"maxNewTokens": 6}}]))
+        (tmp_path / "jobs.json").write_text(json.dumps([{"prompt": PROMPTS[0], "options": {"maxNewTokens": 3}}]))
         r = subprocess.run(["node", str(BROWSER), f"http://127.0.0.1:{server.server_address[1]}/fp32/index.html?"
                             "warmup=0&coi=0", str(tmp_path / "jobs.json"), "--webgpu"],
                            capture_output=True, text=True, timeout=240, cwd=ROOT)
@@ -419,4 +420,4 @@ def test_chromium_webgpu_matches_wasm(sites, site, python_greedy, tmp_path):
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert res["info"]["executionProvider"] == "webgpu" and "WebGPU" in res["info"]["about"], res["info"]
-    assert res["jobs"][0].get("ids") == python_greedy[0][:6], res["jobs"][0]
+    assert res["jobs"][0].get("ids") == python_greedy[0][:3], res["jobs"][0]
