@@ -7,8 +7,8 @@ import pathlib
 import pytest
 import torch
 
-# Each test file's seconds (setup, call and teardown of its tests, summed; `-n 0`), written by
-# `python -m pytest -n 0 --write-durations`: the longest files are handed out first under xdist.
+# Each test file's seconds (setup, call and teardown of its tests, summed), written by a run with
+# `--write-durations`: under xdist the longest files are handed out first.
 DURATIONS = pathlib.Path(__file__).with_name("durations.json")
 # A file missing from DURATIONS (a new one) is costed from its marks: seconds per test.
 GUESS_HEAVY_S, GUESS_LIGHT_S = 10.0, 0.3
@@ -27,7 +27,7 @@ def one_thread():
 
 def pytest_addoption(parser):
     parser.addoption("--write-durations", action="store_true",
-                     help=f"write each test file's seconds to {DURATIONS.name} (run the whole suite)")
+                     help=f"write the seconds of each test file this run ran to tests/{DURATIONS.name}")
 
 
 def pytest_configure(config):
@@ -70,6 +70,11 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
+    """`--write-durations`: the files this run ran get their new seconds; files it did not run
+    keep theirs, and files that are gone are dropped."""
     if session.config.getoption("write_durations") and not hasattr(session.config, "workerinput"):
-        spent = _SPENT
-        DURATIONS.write_text(json.dumps({f: round(s, 1) for f, s in sorted(spent.items())}, indent=1) + "\n")
+        root = session.config.rootpath
+        known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+        known.update((f, round(s, 1)) for f, s in _SPENT.items())
+        DURATIONS.write_text(json.dumps({f: s for f, s in sorted(known.items()) if (root / f).is_file()},
+                                        indent=1) + "\n")
