@@ -147,18 +147,25 @@ def test_compiled_quantized_step(builtin, mode):
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("mode", ["int4"])
-def test_onnx_quantized_export(builtin, mode, tmp_path):
-    """`export_onnx(quantize=...)`: every graph's constant-weight MatMuls become MatMulNBits,
-    the metadata says so, `load_onnx` runs it, and its bits per byte of held-out text stay
-    within the bound of fp32's (the uncached fp32 forward as the oracle)."""
+def test_onnx_quantized_export(mode, tmp_path):
+    """`export_onnx(quantize=...)`: every graph's (decode, full-logits prefill, verify)
+    constant-weight MatMuls become MatMulNBits, the metadata says so, and `load_onnx` runs it
+    close to the fp32 model's uncached forward (the oracle): the median relative logit error
+    is that of a quantized model (nonzero, under 0.4; a wrong scale or block is off by 1 and
+    more) and the mean KL small. A random one-layer model of the built-in model's shape (the
+    export is what is under test, and a four-layer one costs four times the export): its
+    near-uniform next-byte distributions carry no bits-per-byte signal, so the built-in
+    model's held-out bits per byte on the int4 graphs are test_web.py's
+    `test_int4_site_bits_per_byte` (the same MatMulNBits quantizer, the embedding too)."""
     import json
 
     import onnx
 
+    from helpers import random_ids, tiny_model
     from shram_static.export import export_onnx, load_onnx
 
-    model, data, ref = builtin
-    paths = export_onnx(model, str(tmp_path / "m.onnx"), prefill_chunk=32, quantize=mode, full_logits=True,
+    model = tiny_model(num_decoder_layers=1)
+    paths = export_onnx(model, str(tmp_path / "m.onnx"), prefill_chunk=8, quantize=mode, full_logits=True,
                         verify_len=3, parallel=False)
     for role in ("decode", "prefill", "verify"):
         g = onnx.load(paths[role], load_external_data=False)
@@ -166,10 +173,15 @@ def test_onnx_quantized_export(builtin, mode, tmp_path):
         assert meta["quantize"] == mode and meta["quantized_matmuls"] > 0
         ops = [n.op_type for n in g.graph.node]
         assert ops.count("MatMulNBits") == meta["quantized_matmuls"]
-    dec = load_onnx(paths["decode"])
-    got = score_bytes(dec, data[:600], None, False)["bits_per_byte"]
-    want = fp32_bits_per_byte(model, data[:600])
-    assert abs(got - want) < want * BPB_BOUNDS[mode]
+    dec = load_onnx(paths["decode"], threads=1)
+    ids = random_ids(model.config, 1, 64, seed=1)
+    got = dec.prefill(ids)[0].double()  # 8 prefill chunks of full logits
+    with torch.no_grad():
+        want = model(ids).logits[0].double()
+    lp, lq = want.log_softmax(-1), got.log_softmax(-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    rel = (got - want).norm(dim=-1) / (want - want.mean(-1, keepdim=True)).norm(dim=-1)
+    assert 0.01 < rel.median() < 0.4 and kl.mean() < 0.1, (rel.median(), kl.mean())
     with pytest.raises(ValueError, match="quantize"):
         export_onnx(model, str(tmp_path / "x.onnx"), quantize="8da4w")
 
