@@ -71,10 +71,10 @@ def traced_once():
 
     traced, trace = {}, onnx_export._export_graph
 
-    def once(fn, state, C):
-        key = (C, fn.last_only, fn.per_token_max, state.batch_size, state.rollback_limit)
+    def once(fn, state, C, lengths=()):
+        key = (C, fn.last_only, fn.per_token_max, state.batch_size, state.rollback_limit, tuple(lengths))
         if key not in traced:
-            traced[key] = trace(fn, state, C).SerializeToString()
+            traced[key] = trace(fn, state, C, lengths).SerializeToString()
         return onnx_lib.ModelProto.FromString(traced[key])  # a copy: the export edits its protos
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(onnx_export, "_export_graph", once)
