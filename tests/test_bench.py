@@ -269,14 +269,15 @@ def test_bench_command_writes_json_and_plot(tmp_path, capsys, monkeypatch):
     randomize_(ShramForCausalLM(cfg), 0).save_pretrained(ckpt)
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     code = main(["bench", "--models", str(ckpt), "--backends", "eager", "--batch-sizes", "1", "2",
-                 "--steps", "2", "--rounds", "1", "--prefill-chunk", "8", "--json", str(out), "--plot", str(png)])
+                 "--steps", "2", "--rounds", "1", "--prefill-chunk", "8", "--capacity", "96", "--depths", "16", "40",
+                 "--json", str(out), "--plot", str(png)])
     p = capsys.readouterr()
     assert code == 0, p.err[-2000:]
     res = json.loads(out.read_text())
     assert res["bandwidth_bytes_s"] > 0 and [r["batch"] for r in res["results"]] == [1, 2]
     assert res["steal_fraction"] is None or 0 <= res["steal_fraction"] <= 1
     for r in res["results"]:
-        assert [q["context"] for q in r["points"]] == contexts(128, 2)
+        assert [q["context"] for q in r["points"]] == [16, 40] and r["capacity"] == 96
         assert all(q["decode_ms"] > 0 and q["x_floor"] > 0 and q["x_compiled"] is None for q in r["points"])
         assert all(q["decode_ms_best"] > 0 and q["x_compiled_best"] is None for q in r["points"])
         assert r["floor_ms"] > 0

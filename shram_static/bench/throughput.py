@@ -130,6 +130,8 @@ class Runner:
             dec = load_pte(artifact_path(out_dir, backend))
         gen = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
+        if hasattr(dec, "warm_up"):  # a StaticDecoder: every prefix length (past 4096 slots too)
+            dec.warm_up()
         dec.prefill(self.ids[:, :prefill_chunk], last_only=True)  # the first calls compile (compiled)
         dec.decode(self.ids[:, 0])
         self.dec, self.steps = dec, steps
