@@ -24,7 +24,7 @@ from helpers import (ALLOWED_KERNELS, GOLDEN_CASES, LOWERING_ACCELERATORS, STOCK
 from shram_static import StaticDecoder
 from shram_static.accelerators import enabled
 from shram_static.console import LEAFSPEC_NOTICE
-from shram_static.export import ExportFormatError, export_onnx, export_pte, load_pte
+from shram_static.export import ExportFormatError, export_pte, load_pte
 from shram_static.accelerators.forked import can_fork
 from shram_static.export.pte import lower_program
 from shram_static.tokenizer import ByteTokenizer, bytes_to_unicode
@@ -407,38 +407,6 @@ def test_caller_thread_count_survives_steps(builtin, monkeypatch):
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
-
-
-def test_export_argument_errors(tmp_path):
-    model = tiny_model()
-    with pytest.raises(ValueError, match="quantize"):
-        export_pte(model, tmp_path / "x.pte", quantize="int4")
-    with pytest.raises(TypeError, match="quantize_embedding must be a bool"):
-        export_pte(model, tmp_path / "x.pte", quantize="int8", quantize_embedding="yes")
-    with pytest.raises(ValueError, match="quantize_embedding applies with quantize"):
-        export_pte(model, tmp_path / "x.pte", quantize_embedding=True)
-    with pytest.raises(ValueError, match="prefill_chunk"):
-        export_pte(model, tmp_path / "x.pte", prefill_chunk=0)
-    with pytest.raises(TypeError, match="full_logits must be a bool"):
-        export_pte(model, tmp_path / "x.pte", full_logits=1)
-    with pytest.raises(TypeError, match="full_logits must be a bool"):
-        export_onnx(model, tmp_path / "x.onnx", full_logits="yes")
-    with pytest.raises(ValueError, match="eos_token_id"):
-        export_pte(model, tmp_path / "x.pte", eos_token_id=10**6)
-    with pytest.raises(ValueError, match="bos_token_id"):
-        export_pte(model, tmp_path / "x.pte", bos_token_id=-2)
-    with pytest.raises(TypeError, match="parallel must be a bool"):
-        export_pte(model, tmp_path / "x.pte", parallel=1)
-    with pytest.raises(TypeError, match="parallel must be a bool"):
-        export_onnx(model, tmp_path / "x.onnx", parallel="yes")
-    for bad in (1, True, 2.0, "5"):
-        with pytest.raises(ValueError, match="verify_len must be an int >= 2 or None"):
-            export_pte(model, tmp_path / "x.pte", verify_len=bad)
-        with pytest.raises(ValueError, match="verify_len must be an int >= 2 or None"):
-            export_onnx(model, tmp_path / "x.onnx", verify_len=bad)
-        with pytest.raises(ValueError, match="verify_len must be an int >= 2 or None"):
-            StaticDecoder(model, verify_len=bad)
-    assert not os.listdir(tmp_path)
 
 
 def test_rollback_and_speculation_without_a_verify_method(builtin):
