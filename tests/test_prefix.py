@@ -74,16 +74,17 @@ def test_steps_at_every_depth_match_the_oracle_and_a_short_prefix_would_not(monk
 
 @pytest.mark.heavy
 def test_compiled_steps_are_one_graph_for_every_length(monkeypatch):
-    """A compiled decoder whose rows cross several prefix lengths: one graph per kind of step
-    and side of ACC_CHUNK (the length is a dynamic size; here the sides split at 12 slots, not
-    4096), all compiled by `warm_up`, no recompile, the eager decoder's logits."""
+    """A compiled decode step whose rows cross several prefix lengths: one graph per side of
+    ACC_CHUNK (the length is a dynamic size; here the sides split at 12 slots, not 4096), both
+    compiled by `warm_up`, no recompile, the eager decoder's logits. (Every kind of step is one
+    function of the same code: the prefill step runs eager here, one cold compile fewer.)"""
     torch._dynamo.reset()
     monkeypatch.setattr(decoder_mod, "ACC_CHUNK", 12)
     model = random_model(4, num_mosrah_heads=4, num_selected_heads=2, num_decoder_layers=1,
                          training_sequence_length=48, inference_sequence_length=48)  # T = 26: lengths 4 .. 24, 26
     ids = random_ids(model.config, 2, 46, 6)
     eager = _decoders(model)
-    comp = _decoders(model, compile=("decode", "prefill"))
+    comp = _decoders(model, compile=("decode",))
     counters = torch._dynamo.utils.counters["stats"]
     comp.warm_up(("decode", "prefill"))
     graphs = counters["unique_graphs"]
@@ -91,8 +92,9 @@ def test_compiled_steps_are_one_graph_for_every_length(monkeypatch):
         torch.testing.assert_close(comp.prefill(ids[:, :16]), eager.prefill(ids[:, :16]), atol=2e-4, rtol=2e-4)
         for i in range(16, 46):
             torch.testing.assert_close(comp.decode(ids[:, i]), eager.decode(ids[:, i]), atol=2e-4, rtol=2e-4)
-    assert counters["unique_graphs"] == graphs  # warm_up compiled all four; the steps compiled nothing
+    assert counters["unique_graphs"] == graphs  # warm_up compiled both; the steps compiled nothing
     assert sorted(comp._steps) == [("decode", False), ("decode", True), ("prefill", False), ("prefill", True)]
+    assert graphs >= 2
 
 
 def test_warm_up_changes_no_state_and_bad_kinds_are_refused():
