@@ -173,7 +173,9 @@ class StaticDecoder(HostDecoder):
             ("decode", decode_options), ("prefill", STEP_OPTIONS), ("prefill_last", STEP_OPTIONS),
             ("verify", {**STEP_OPTIONS, **ROW_INPUTS_STORED}))}
         # one compiled graph serves every length: the slot numbers are an input of dynamic size
-        self.prefix_lengths = prefix_lengths(model.config, MIN_PREFIX)
+        # (`accelerators.dynamic_length`; where it is off, compiled steps read the whole cache)
+        lengths = prefix_lengths(model.config, MIN_PREFIX)
+        self.prefix_lengths = lengths[-1:] if kinds and not accelerators.dynamic_length() else lengths
         self._block = model.config.block_length
         self._slots = slot_numbers(model.config.mosrah_cache_length, p.device)  # (T + 1,)
         self._steps: dict[tuple[str, bool], object] = {}  # (kind, long) -> its step function
@@ -260,8 +262,7 @@ class StaticDecoder(HostDecoder):
         fn = self._steps.get(key) or self.step_function(*key)
         if key not in self._dynamic:  # its first call compiles: P a dynamic size
             if len(self.prefix_lengths) > 1:
-                # maybe_: Inductor guards P against ACC_CHUNK, a bound of the graph's own side
-                torch._dynamo.maybe_mark_dynamic(slots, 0)
+                accelerators.dynamic_length(slots)
             self._dynamic.add(key)
         return fn(*args)
 

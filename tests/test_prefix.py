@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import random_ids, random_model, run_oracle
-from shram_static import decoder as decoder_mod
+from shram_static import accelerators, decoder as decoder_mod
 from shram_static.bench.cli import main as bench_main
 from shram_static.decoder import StaticDecoder
 from shram_static.state import MIN_PREFIX, prefix_len, prefix_lengths
@@ -108,6 +108,9 @@ def test_warm_up_changes_no_state_and_bad_kinds_are_refused():
     warmed.warm_up(("decode", "prefill", "prefill_last", "verify"))
     torch.testing.assert_close(warmed.prefill(ids[:, :9]), fresh.prefill(ids[:, :9]), atol=0, rtol=0)
     torch.testing.assert_close(warmed.decode(ids[:, 9]), fresh.decode(ids[:, 9]), atol=0, rtol=0)
+    with accelerators.stock():  # the dynamic length off: compiled steps read the whole cache
+        assert StaticDecoder(model, compile=True).prefix_lengths == (model.config.mosrah_cache_length,)
+    assert len(StaticDecoder(model, compile=True).prefix_lengths) > 1
     with pytest.raises(ValueError, match="kinds"):
         fresh.step_function("decoder")
     with pytest.raises(ValueError, match="compile must be"):

@@ -6,6 +6,7 @@ stock path runs: the same program, the same tokens. What each buys: docs/perform
 The rest of the package reaches them through these names only, each wrapping a whole stage:
   * `set_stock`, `stock`, `enabled`, `check_versions`: the switches and the version check;
   * `prepare_compile(device_type)`: once, when a compiled step is built (nothing per call);
+  * `dynamic_length(t)`: once per compiled step, before its first call;
   * `lowering()`: the block around ExecuTorch's `to_edge`/`to_backend`/`to_executorch` stages;
   * `export_and_lower(...)`: `torch.export.export` -> `to_edge_transform_and_lower`;
   * `run_jobs(...)`, `lower_in_parallel(...)`: independent jobs in forked processes;
@@ -38,6 +39,20 @@ def prepare_compile(device_type: str = "cpu") -> None:
     if device_type == "cpu":
         cpu_isa.start_isa_checks()
     kernel_builds.hook_compiles()
+
+
+def dynamic_length(t=None) -> bool:
+    """Marks dim 0 of `t` (a compiled step's `slots` input, before the step's first call) a
+    dynamic size for Dynamo, so one graph serves every prefix length; with `t` None, only says
+    whether it would. False where the accelerator is off: the caller then keeps one length
+    (the whole cache), the stock step. Guards Inductor adds on the size are kept (`maybe_`)."""
+    if not enabled("dynamic_prefix"):
+        return False
+    if t is not None:
+        import torch._dynamo
+
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    return True
 
 
 @contextlib.contextmanager

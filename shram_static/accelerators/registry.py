@@ -48,6 +48,7 @@ REGISTRY: dict[str, Accelerator] = {a.name: a for a in [
     # compiled steps (torch.compile)
     _acc("isa_check_ahead", "cpu_isa.start_isa_checks",
          "torch._inductor.cpu_vec_isa.valid_vec_isa_list", torch=TORCH),
+    _acc("dynamic_prefix", "dynamic_length", "torch._dynamo.maybe_mark_dynamic", torch=TORCH),
     _acc("batched_kernel_builds", "kernel_builds.hook_compiles",
          "torch._inductor.async_compile.AsyncCompile.cpp_pybinding, CppPythonBindingsCodeCache templates; "
          "torch._dynamo.callback.callback_handler",
