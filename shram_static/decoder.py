@@ -12,7 +12,7 @@ from .fast_layers import FEW_ROWS, RowExperts, RowLinear, row_linear_, shared_co
 from .console import info
 from .host import HostDecoder
 from .quantized import Int4Linear, Int8Linear, check_quantize, quantize_linears_
-from .state import MIN_PREFIX, StaticState, prefix_len, prefix_lengths, slot_numbers
+from .state import MIN_PREFIX, PrefixSlots, StaticState, prefix_lengths
 from .step import StepModule
 from .validation import check_verify_len
 
@@ -176,8 +176,7 @@ class StaticDecoder(HostDecoder):
         # (`accelerators.dynamic_length`; where it is off, compiled steps read the whole cache)
         lengths = prefix_lengths(model.config, MIN_PREFIX)
         self.prefix_lengths = lengths[-1:] if kinds and not accelerators.dynamic_length() else lengths
-        self._block = model.config.block_length
-        self._slots = slot_numbers(model.config.mosrah_cache_length, p.device)  # (T + 1,)
+        self._slots = PrefixSlots(model.config, self.prefix_lengths, p.device)
         self._steps: dict[tuple[str, bool], object] = {}  # (kind, long) -> its step function
         if kinds:
             accelerators.prepare_compile(p.device.type)  # ISA check beside the first trace; batched builds
@@ -233,7 +232,7 @@ class StaticDecoder(HostDecoder):
         if "verify" in kinds and self.verify_len is None:
             raise ValueError("warm_up('verify') needs a decoder built with verify_len")
         # a depth whose prefix is the shortest, and one past ACC_CHUNK slots where there is one
-        depths = [0] + [self._block * ACC_CHUNK] * (self.prefix_lengths[-1] > ACC_CHUNK)
+        depths = [0] + [self.config.block_length * ACC_CHUNK] * (self.prefix_lengths[-1] > ACC_CHUNK)
         for kind in kinds:
             C = widths.get(kind, 0)
             for depth in depths:
@@ -249,8 +248,8 @@ class StaticDecoder(HostDecoder):
         C = tokens.shape[1]
         kind = kind or ("decode" if C == 1 else "prefill" if C == self.prefill_chunk else "verify")
         # every live slot of every row fits: at most max(input_pos) + C tokens after the step
-        P = prefix_len(self.prefix_lengths, self._block, int(input_pos.max()) + C)
-        slots, key = self._slots[:P], (kind, P > ACC_CHUNK)
+        slots = self._slots(input_pos, C)
+        key = (kind, slots.shape[0] > ACC_CHUNK)
         d = self.device
         args = tokens.to(d), input_pos.to(d), live.to(d), slots
         if kind not in self._compiled_kinds:
@@ -267,7 +266,8 @@ class StaticDecoder(HostDecoder):
         return fn(*args)
 
     def _reads(self) -> list[torch.Tensor]:
-        return [*self.module.parameters(), *self.module.buffers()]
+        """The model copy's tensors (the state, the decoder's own and never replaced, aside)."""
+        return [*self.model.parameters(), *self.model.buffers()]
 
     def _follow_weights(self) -> None:
         """Packs again the copies of every RowLinear or RowExperts one of whose weights has

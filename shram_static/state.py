@@ -116,6 +116,27 @@ def slot_numbers(T: int, device=None) -> torch.Tensor:
     return torch.where(ar < T, ar, 2 ** 24).float()
 
 
+class PrefixSlots:
+    """What a step is fed as its `slots` input: the numbers of the shortest prefix of `lengths`
+    that holds every row's live slots after the step (`prefix_len`); `StaticDecoder` and the
+    `.pte` / `.onnx` runners alike.
+
+    Args:
+        cfg: the model config.
+        lengths: the prefix lengths (`prefix_lengths`; an export's, from its metadata).
+        device: where the slot numbers live.
+    """
+
+    def __init__(self, cfg: ShramConfig, lengths, device=None):
+        self.lengths = tuple(lengths)
+        self.block = cfg.block_length
+        self.table = slot_numbers(cfg.mosrah_cache_length, device)[:self.lengths[-1]].contiguous()
+
+    def __call__(self, input_pos: torch.Tensor, chunk: int) -> torch.Tensor:
+        """(P,) float32 slot numbers for a step of `chunk` tokens per row at `input_pos` (B,)."""
+        return self.table[:prefix_len(self.lengths, self.block, int(input_pos.max()) + chunk)]
+
+
 class LayerState(nn.Module):
     def __init__(self, config: ShramConfig, batch_size: int, ring: int, dtype: torch.dtype, history: int = 1):
         super().__init__()

@@ -311,7 +311,7 @@ def check_prefix_steps(dec, model, monkeypatch, lengths=(4, 8)) -> None:
     holds ceil(count / W) slots (count: the most live tokens a row holds after the step), each
     length at least once."""
     from shram_static import StaticDecoder
-    from shram_static.export.common import PrefixSlots
+    from shram_static.state import PrefixSlots
 
     cfg = model.config
     W, T, B = cfg.block_length, cfg.mosrah_cache_length, dec.batch_size
@@ -321,7 +321,8 @@ def check_prefix_steps(dec, model, monkeypatch, lengths=(4, 8)) -> None:
 
     def spy(self, input_pos, chunk):
         slots = real(self, input_pos, chunk)
-        fed.append((int(input_pos.max()) + chunk, slots.shape[0]))
+        if self is dec._slots:  # the runner's, not the eager decoder's
+            fed.append((int(input_pos.max()) + chunk, slots.shape[0]))
         return slots
     monkeypatch.setattr(PrefixSlots, "__call__", spy)
     dec.reset()

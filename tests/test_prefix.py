@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import random_ids, random_model, run_oracle
-from shram_static import accelerators, decoder as decoder_mod
+from shram_static import accelerators, decoder as decoder_mod, state as state_mod
 from shram_static.bench.cli import main as bench_main
 from shram_static.decoder import StaticDecoder
 from shram_static.state import MIN_PREFIX, prefix_len, prefix_lengths
@@ -50,8 +50,8 @@ def test_steps_at_every_depth_match_the_oracle_and_a_short_prefix_would_not(monk
     mask[1, :19] = False  # row 1 is 19 tokens behind
     ref = run_oracle(model, ids, mask)[0].float()  # (2, 56, V)
     used = []
-    pick = decoder_mod.prefix_len
-    monkeypatch.setattr(decoder_mod, "prefix_len", lambda *a: used.append(pick(*a)) or used[-1])
+    pick = state_mod.prefix_len
+    monkeypatch.setattr(state_mod, "prefix_len", lambda *a: used.append(pick(*a)) or used[-1])
     dec = _decoders(model, verify_len=3)
     assert dec.prefix_lengths == (4, 8, 12, 16, 20)
     lg = dec.prefill(ids[:, :20], mask[:, :20])
@@ -68,7 +68,7 @@ def test_steps_at_every_depth_match_the_oracle_and_a_short_prefix_would_not(monk
     # one length short of the pick at the last steps: some live slots unread, other logits
     short = _decoders(model)
     short.prefill(ids[:, :48], mask[:, :48])
-    monkeypatch.setattr(decoder_mod, "prefix_len", lambda lengths, *a: lengths[lengths.index(pick(lengths, *a)) - 1])
+    monkeypatch.setattr(state_mod, "prefix_len", lambda lengths, *a: lengths[lengths.index(pick(lengths, *a)) - 1])
     assert not torch.allclose(short.decode(ids[:, 48]), ref[:, 48], atol=2e-4, rtol=2e-4)
 
 

@@ -5,6 +5,7 @@ Needs node with the project's `npm ci` (and Debian's chromium for the page); out
 missing one skips its tests with the reason, in CI (`CI` set, as `.ci/run` does) it fails them.
 """
 
+import contextlib
 import functools
 import http.server
 import json
@@ -352,33 +353,44 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+@contextlib.contextmanager
+def _served(directory):
+    """`directory` served on 127.0.0.1 while the block runs; yields its root URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(directory)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _browse(*args, timeout: int) -> dict:
+    """`web/browser.mjs` (headless Chromium) with `args`: its JSON report, once it exited 0."""
+    r = subprocess.run(["node", str(BROWSER), *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
 def test_chromium_page(sites, site, site_int4, python_greedy, python_greedy_int4, tmp_path):
     """The page in headless Chromium: greedy tokens of `load_onnx` on the fp32 and the int4
     site, the streamed text, the download progress per file, the warm-up while loading, and
     which weights it runs."""
     need(Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing (apt-get install chromium)")
     need((ROOT / "node_modules" / "playwright-core").is_dir(), "node_modules lacks playwright-core: run npm ci")
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(sites)))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     shot = ROOT / "out" / "web" / "page.png"
     shot.parent.mkdir(parents=True, exist_ok=True)
     shot.unlink(missing_ok=True)
-    root = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with _served(sites) as root:
         jobs = [{"prompt": p, "options": {"maxNewTokens": N_NEW}} for p in PROMPTS]
         jobs += [{"prompt": p, "options": {"maxNewTokens": N_NEW}, "url": f"{root}/int4/index.html?warmup=0&coi=0"}
                  for p in PROMPTS]
         (tmp_path / "jobs.json").write_text(json.dumps(jobs))
         ui = {"prompt": PROMPTS[0], "maxNewTokens": N_NEW, "temperature": 0}
         (tmp_path / "ui.json").write_text(json.dumps(ui))
-        r = subprocess.run(["node", str(BROWSER), f"{root}/fp32/index.html?warmup=1500",
-                            str(tmp_path / "jobs.json"), "--ui", str(tmp_path / "ui.json"), "--screenshot", str(shot)],
-                           capture_output=True, text=True, timeout=180, cwd=ROOT)
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert r.returncode == 0, r.stderr
-    res = json.loads(r.stdout)
+        res = _browse(f"{root}/fp32/index.html?warmup=1500", tmp_path / "jobs.json", "--ui", tmp_path / "ui.json",
+                      "--screenshot", shot, timeout=180)
     assert not [m for m in res["logs"] if m.startswith("pageerror")], res["logs"]
     tok = ByteTokenizer()
     for p, want, got in zip(PROMPTS * 2, python_greedy + python_greedy_int4, res["jobs"]):
@@ -407,17 +419,8 @@ def test_chromium_webgpu_matches_wasm(sites, site, python_greedy, tmp_path):
     SwiftShader (WebGPU on the CPU's Vulkan: slow, so three tokens: the prefill graph's, then two
     decode steps, the second reading the state the first wrote)."""
     need(Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing (apt-get install chromium)")
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(sites)))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        (tmp_path / "jobs.json").write_text(json.dumps([{"prompt": PROMPTS[0], "options": {"maxNewTokens": 3}}]))
-        r = subprocess.run(["node", str(BROWSER), f"http://127.0.0.1:{server.server_address[1]}/fp32/index.html?"
-                            "warmup=0&coi=0", str(tmp_path / "jobs.json"), "--webgpu"],
-                           capture_output=True, text=True, timeout=240, cwd=ROOT)
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert r.returncode == 0, r.stderr
-    res = json.loads(r.stdout)
+    (tmp_path / "jobs.json").write_text(json.dumps([{"prompt": PROMPTS[0], "options": {"maxNewTokens": 3}}]))
+    with _served(sites) as root:
+        res = _browse(f"{root}/fp32/index.html?warmup=0&coi=0", tmp_path / "jobs.json", "--webgpu", timeout=240)
     assert res["info"]["executionProvider"] == "webgpu" and "WebGPU" in res["info"]["about"], res["info"]
     assert res["jobs"][0].get("ids") == python_greedy[0][:3], res["jobs"][0]

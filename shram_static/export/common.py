@@ -9,7 +9,7 @@ from torch import nn
 
 from ..config import ShramConfig
 from ..fast_layers import fuse_experts_
-from ..state import prefix_len, prefix_lengths, slot_numbers
+from ..state import prefix_lengths
 from ..validation import check_verify_len
 
 PTE_FORMAT = "shram_static.pte/1"
@@ -100,22 +100,3 @@ def export_prefix_lengths(cfg: ShramConfig, lengths=None) -> tuple[int, ...]:
     lengths = lengths if lengths[-1] == T else (*lengths, T)
     return lengths if len(lengths) > 1 else ()
 
-
-class PrefixSlots:
-    """What a runner of an export with prefix lengths feeds its steps: the `slots` input of the
-    shortest length holding every row's live slots after the step (`state.prefix_len`, the
-    choice `StaticDecoder` makes).
-
-    Args:
-        cfg: the model config.
-        lengths: the export's lengths (`export_prefix_lengths`, from its metadata).
-    """
-
-    def __init__(self, cfg: ShramConfig, lengths):
-        self.lengths = tuple(lengths)
-        self.block = cfg.block_length
-        self.table = slot_numbers(cfg.mosrah_cache_length)[:self.lengths[-1]].contiguous()
-
-    def __call__(self, input_pos: torch.Tensor, chunk: int) -> torch.Tensor:
-        """(P,) float32 slot numbers for a step of `chunk` tokens per row at `input_pos` (B,)."""
-        return self.table[:prefix_len(self.lengths, self.block, int(input_pos.max()) + chunk)]

@@ -11,7 +11,8 @@ import torch
 from ..config import ShramConfig
 from ..errors import ExportFormatError
 from ..host import HostDecoder
-from .common import ONNX_FORMAT, SLOTS_INPUT, PrefixSlots, graph_paths
+from ..state import PrefixSlots
+from .common import ONNX_FORMAT, SLOTS_INPUT, graph_paths
 
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
               "tensor(bool)": np.bool_, "tensor(int64)": np.int64, "tensor(int32)": np.int32,

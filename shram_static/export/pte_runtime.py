@@ -12,7 +12,8 @@ import torch
 from ..config import ShramConfig
 from ..errors import ExportFormatError
 from ..host import HostDecoder
-from .common import PTE_FORMAT, PTE_MAGIC, PrefixSlots
+from ..state import PrefixSlots
+from .common import PTE_FORMAT, PTE_MAGIC
 
 
 @contextlib.contextmanager
