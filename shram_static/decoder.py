@@ -252,14 +252,13 @@ class StaticDecoder(HostDecoder):
         key = (kind, slots.shape[0] > ACC_CHUNK)
         d = self.device
         args = tokens.to(d), input_pos.to(d), live.to(d), slots
-        if kind not in self._compiled_kinds:
-            return (self._steps.get(key) or self.step_function(*key))(*args)
-        if self._held is None or kind not in self._held:
+        # every kind of a compiled decoder's steps, eager ones too, reads the packed copies
+        if self.compiled and (self._held is None or kind not in self._held):
             self._follow_weights()  # first: it may drop the compiled steps
             if self._held is not None:
                 self._held.add(kind)
         fn = self._steps.get(key) or self.step_function(*key)
-        if key not in self._dynamic:  # its first call compiles: P a dynamic size
+        if kind in self._compiled_kinds and key not in self._dynamic:  # its first call compiles: P dynamic
             if len(self.prefix_lengths) > 1:
                 accelerators.dynamic_length(slots)
             self._dynamic.add(key)

@@ -237,10 +237,7 @@ def lowering_work(ours_module, ours_program):
         yield work
 
 
-# The golden case whose decode-only `.pte` test_accelerators.py lowers with and without the
-# lowering accelerators (and checks against the golden logits), and those accelerators (every
-# one `accelerators.lowering()` and `export_and_lower` apply).
-STOCK_LOWERING_CASE = "main_basic"
+# The lowering accelerators (every one `accelerators.lowering()` and `export_and_lower` apply).
 LOWERING_ACCELERATORS = ("one_trace_lowering", "needed_xnnpack_passes", "needed_edge_passes",
                          "one_edge_conversion_trace", "linear_partitioning", "lazy_recompiles")
 

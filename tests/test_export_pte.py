@@ -17,9 +17,8 @@ import warnings
 import pytest
 import torch
 
-from helpers import (ALLOWED_KERNELS, GOLDEN_CASES, LOWERING_ACCELERATORS, STOCK_LOWERING_CASE,
-                     check_last_token_prefill, check_prefix_steps, check_verify_step, delegated_ops, golden_case,
-                     golden_run, program_ops, tiny_model)
+from helpers import (ALLOWED_KERNELS, GOLDEN_CASES, check_last_token_prefill, check_prefix_steps, check_verify_step,
+                     delegated_ops, golden_case, golden_run, program_ops, tiny_model)
 
 from shram_static import StaticDecoder
 from shram_static.accelerators import enabled
@@ -120,11 +119,9 @@ def test_last_token_prefill_and_verify_methods(tmp_path, monkeypatch):
     check_prefix_steps(dec, model, monkeypatch)
 
 
-# Decode-only programs of the golden cases but the shared one; STOCK_LOWERING_CASE's is checked in
-# tests/test_accelerators.py (golden logits, and the same bytes as the stock lowering) wherever
-# the lowering accelerators run, so here only where they do not.
-DECODE_ONLY_CASES = [c for c in GOLDEN_CASES if c != SHARED_CASE and not (
-    c == STOCK_LOWERING_CASE and all(enabled(n) for n in LOWERING_ACCELERATORS))]
+# Decode-only programs of the golden cases but the shared one (the stock lowering: a random
+# model in tests/test_accelerators.py).
+DECODE_ONLY_CASES = [c for c in GOLDEN_CASES if c != SHARED_CASE]
 
 
 @pytest.mark.heavy
