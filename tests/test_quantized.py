@@ -203,3 +203,25 @@ def test_backend_names_and_export_cli_errors(builtin, tmp_path, capsys):
     assert main(["export", "--format", "onnx", "--quantize", "8da4w", "--out", str(tmp_path / "o")]) == 2
     assert "applies to none of ['onnx']" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_onnx_quantization_leaves_the_root_logger_alone():
+    """`quantize_graph` imports onnxruntime's MatMulNBits quantizer, whose module configures the
+    root logger at INFO when first imported; in a fresh process the root logger is as it was
+    afterwards (no handler, WARNING), so a later ONNX export prints no library INFO records."""
+    import subprocess
+    import sys
+
+    code = ("import logging, numpy as np\n"
+            "from onnx import TensorProto, helper, numpy_helper\n"
+            "from shram_static.export.onnx_quantize import quantize_graph\n"
+            "w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32), 'w')\n"
+            "x = helper.make_tensor_value_info('x', TensorProto.FLOAT, [1, 64])\n"
+            "y = helper.make_tensor_value_info('y', TensorProto.FLOAT, [1, 32])\n"
+            "g = helper.make_graph([helper.make_node('MatMul', ['x', 'w'], ['y'])], 'g', [x], [y], [w])\n"
+            "_, n = quantize_graph(helper.make_model(g, opset_imports=[helper.make_opsetid('', 21)]), 'int4')\n"
+            "root = logging.getLogger()\n"
+            "print(n, root.handlers, logging.getLevelName(root.level))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["1", "[]", "WARNING"], r.stdout

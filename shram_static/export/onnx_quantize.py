@@ -44,8 +44,7 @@ def quantize_graph(model, mode: str, embedding: bool = False):
     Raises:
         ValueError: a bad mode, or `embedding` with int8.
     """
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
+    MatMulNBitsQuantizer = _quantizer_class()
     check_onnx_quantize(mode)
     if embedding and mode != "int4":
         raise ValueError(f"the embedding is quantized with int4 only (GatherBlockQuantized), got quantize={mode!r}")
@@ -66,6 +65,22 @@ def quantize_graph(model, mode: str, embedding: bool = False):
         log.setLevel(level)
     out = q.model.model
     return out, before - sum(n.op_type == "MatMul" for n in out.graph.node)
+
+
+def _quantizer_class():
+    """onnxruntime's `MatMulNBitsQuantizer`, imported with the root logger left as it was.
+
+    WHY: its module calls `logging.basicConfig(level=INFO)` when imported, which would print
+    every library's INFO records for the rest of the process (onnxscript's optimizer writes
+    thousands of lines per later ONNX export)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return MatMulNBitsQuantizer
 
 
 def dequantized_matmuls(model):
