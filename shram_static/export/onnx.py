@@ -35,7 +35,7 @@ import torch
 
 from .. import accelerators
 from ..config import ShramConfig
-from ..console import without_leafspec_notice
+from ..console import quiet_loggers, without_leafspec_notice
 from ..state import StaticState, slot_numbers
 from ..step import FunctionalStep, step
 from .common import ONNX_FORMAT, SLOTS_INPUT, check_export_args, export_copy, export_prefix_lengths, graph_paths
@@ -74,7 +74,10 @@ def _export_graph(fn: FunctionalStep, state: StaticState, C: int, lengths: tuple
         # Nones for one tensor's axes and turns it into a list, which torch.export then rejects
         dynamic = (None, None, None, {0: torch.export.Dim("P", min=lengths[0], max=lengths[-1])},
                    ({},) * len(names))
-    with torch.no_grad(), accelerators.onnx_export(), without_leafspec_notice():
+    # WHY torch.onnx's logs at ERROR only: on every export its registry warns once per
+    # torchvision operator it skips where torchvision is not installed (a SHRAM step calls
+    # none); a failed export still raises
+    with torch.no_grad(), accelerators.onnx_export(), without_leafspec_notice(), quiet_loggers("torch.onnx"):
         prog = torch.onnx.export(
             fn, args, dynamo=True, optimize=True, verbose=False, opset_version=OPSET,
             input_names=["input_ids", "position_ids", "live", *([SLOTS_INPUT] if lengths else []),
