@@ -64,6 +64,19 @@ def quiet_warnings(category: type[Warning], message: str):
 LEAFSPEC_NOTICE = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 
 
+# The start of ExecuTorch's emitter warning for a mutated buffer whose initial bytes it does not
+# store (`without_mutable_buffer_notice`).
+MUTABLE_BUFFER_NOTICE = "Mutation on a buffer in the model is detected"
+
+
+def without_mutable_buffer_notice():
+    """`quiet_warnings` for ExecuTorch's notice that a method's mutated buffers start with
+    meaningless bytes. WHY: a `.pte`'s state is stored initialised with its first method
+    (`export.pte._init_first_method_pass`) and shared by every method, so the notice, given
+    for the later methods, describes nothing a user of the file meets."""
+    return quiet_warnings(UserWarning, MUTABLE_BUFFER_NOTICE)
+
+
 def without_leafspec_notice():
     """`quiet_warnings` for torch's LeafSpec FutureWarning (both exporters' lowering)."""
     return quiet_warnings(FutureWarning, LEAFSPEC_NOTICE)

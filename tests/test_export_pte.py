@@ -22,7 +22,7 @@ from helpers import (ALLOWED_KERNELS, GOLDEN_CASES, check_last_token_prefill, ch
 
 from shram_static import StaticDecoder
 from shram_static.accelerators import enabled
-from shram_static.console import LEAFSPEC_NOTICE
+from shram_static.console import LEAFSPEC_NOTICE, MUTABLE_BUFFER_NOTICE
 from shram_static.export import ExportFormatError, export_pte, load_pte
 from shram_static.accelerators.forked import can_fork
 from shram_static.export.pte import lower_program
@@ -60,7 +60,8 @@ def builtin(tmp_path_factory):
 
     Lowered as `export_pte` does by default: the decode method in a forked process where the
     machine allows; a failed child (whose method would be lowered again here) is an error, and so
-    is torch's LeafSpec notice, which lowering drops (in either process)."""
+    are torch's LeafSpec notice and ExecuTorch's mutable-buffer notice, which lowering drops (in
+    either process)."""
     from shram_static.accelerators import edge_transfer
 
     model, _ = golden_case(SHARED_CASE)
@@ -68,6 +69,7 @@ def builtin(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
         warnings.filterwarnings("error", message="the parallel process", category=RuntimeWarning)
         warnings.filterwarnings("error", message=LEAFSPEC_NOTICE, category=FutureWarning)
+        warnings.filterwarnings("error", message=MUTABLE_BUFFER_NOTICE, category=UserWarning)
         mp.setattr(edge_transfer, "edge_program_from_value", lambda v: TRANSFERRED.append(1) or received(v))
         et = lower_program(model, batch_size=1, prefill_chunk=8, eos_token_id=EOS, bos_token_id=BOS,
                            full_logits=True)  # the golden check reads every token's logits

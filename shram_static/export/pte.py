@@ -35,7 +35,7 @@ from torch import nn
 
 from .. import accelerators
 from ..config import ShramConfig
-from ..console import without_leafspec_notice
+from ..console import without_leafspec_notice, without_mutable_buffer_notice
 from ..errors import ExportFormatError  # noqa: F401 (importable from here too)
 from ..state import StaticState, slot_numbers
 from ..step import StepModule
@@ -231,7 +231,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     # (it takes longer to lower), and reading a forked method back here comes after this
     # process's own lowering.
     jobs = {name: functools.partial(export_and_lower, name) for name in reversed(methods)}
-    with accelerators.lowering():
+    with accelerators.lowering(), without_mutable_buffer_notice():
         edges = accelerators.lower_in_parallel(jobs, parallel)
         edge = EdgeProgramManager({name: edges[name] for name in methods}, constant_methods=constants,
                                   compile_config=config)
