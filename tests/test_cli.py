@@ -86,6 +86,38 @@ def test_generate_checkpoint(capsys):
     assert "loading" in out.err
 
 
+def test_compiled_generate_compiles_before_its_timing(monkeypatch, capsys):
+    """`generate --backend compiled` compiles its steps ahead (`warm_up`: the prompt's and the
+    decode step's, with --speculate the verify step's too) and says how long that took; the
+    generation's own time excludes it. (An eager decoder stands in, its warm-up a 1 s wait: the
+    plumbing is under test; compiled steps: tests/test_compiled_decoder.py.)"""
+    import re
+    import time
+
+    from shram_static import decoders
+    from shram_static.decoder import StaticDecoder
+
+    warmed = []
+
+    class SlowWarmUp(StaticDecoder):
+        def warm_up(self, kinds=("decode", "prefill_last")):
+            warmed.append(tuple(kinds))
+            time.sleep(1.0)
+            super().warm_up(kinds)
+
+    monkeypatch.setattr(decoders, "make_decoder", lambda model, backend, chunk, stack, *a, verify_len=None:
+                        SlowWarmUp(model, prefill_chunk=chunk, verify_len=verify_len))
+    path = os.path.join(DATA, "main_basic")
+    for extra, kinds in (([], ("decode", "prefill_last")), (["--speculate", "3"], ("decode", "prefill_last", "verify"))):
+        assert main(["generate", "--prompt", "The cat", "--checkpoint", path, "--max-new-tokens", "8",
+                     "--backend", "compiled", *extra]) == 0
+        err = capsys.readouterr().err
+        assert warmed == [kinds], err
+        warmed.clear()
+        assert float(re.search(r"compiled in ([\d.]+) s", err).group(1)) >= 1.0, err
+        assert float(re.search(r"8 new tokens in ([\d.]+) s", err).group(1)) < 1.0, err
+
+
 def test_checkpoint_tokenizer_json_is_used(tmp_path, capsys):
     """A checkpoint carrying a tokenizer.json goes through it (same ids here: ours)."""
     dst = tmp_path / "ckpt"
