@@ -43,7 +43,7 @@ LOOKUP_NGRAMS = (8, 2)
 
 
 class PromptLookup:
-    """n-gram drafts from a row's own tokens, indexed as they are appended.
+    """n-gram drafts from a row's own tokens (ids below 0x110000: one character each).
 
     Args:
         max_ngram: the longest n-gram matched; shorter ones are tried down to `min_ngram`.
@@ -53,30 +53,28 @@ class PromptLookup:
     def __init__(self, max_ngram: int, min_ngram: int):
         self.sizes = range(max_ngram, min_ngram - 1, -1)
         self.seq: list[int] = []
-        self._after: dict[tuple, list[int]] = {}  # n-gram -> positions right after its occurrences
+        # WHY the tokens also as a str, one character each: `str.rfind` finds the latest earlier
+        # occurrence of an n-gram in C, where an index of every n-gram, kept up in Python token
+        # by token, was a visible share of a speculative round's host time
+        self._text = ""
 
     def extend(self, tokens) -> None:
-        for t in tokens:
-            self.seq.append(int(t))
-            end = len(self.seq)
-            for n in self.sizes:
-                if end >= n:
-                    self._after.setdefault(tuple(self.seq[end - n:]), []).append(end)
+        toks = [int(t) for t in tokens]
+        self.seq += toks
+        self._text += "".join(map(chr, toks))
 
     def propose(self, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest matching
         n-gram at the end of the sequence ([] when none matches)."""
-        end = len(self.seq)
+        end, text = len(self.seq), self._text
         if k < 1:
             return []
         for n in self.sizes:
-            if end < n:
+            if end <= n:  # the tail is the whole sequence: no earlier occurrence
                 continue
-            at = self._after.get(tuple(self.seq[end - n:]), [])
-            starts = [p for p in at[-2:] if p < end]
-            if starts:
-                p = starts[-1]
-                return self.seq[p:p + k]
+            i = text.rfind(text[end - n:], 0, end - 1)  # an occurrence ending before `end`
+            if i >= 0:
+                return self.seq[i + n:i + n + k]
         return []
 
 

@@ -122,10 +122,12 @@ def test_acceptance_rule_keeps_the_target_distribution():
     assert _accept(logits, [(top + 1) % V], None, plain, False, None) == [top]
 
 
+# token ids: a few small ones, and large ones whose characters are surrogates or past the BMP
+@pytest.mark.parametrize("alphabet", [[0, 1, 2, 3], [0, 0xD800, 0xDFFF, 0x10FFFF]])
 @pytest.mark.parametrize("sizes", [(3, 1), (8, 2), None])  # None: the package's LOOKUP_NGRAMS
-def test_prompt_lookup_matches_a_plain_search(sizes):
+def test_prompt_lookup_matches_a_plain_search(sizes, alphabet):
     gen = torch.Generator().manual_seed(1)
-    seq = torch.randint(0, 4, (200,), generator=gen).tolist()
+    seq = [alphabet[i] for i in torch.randint(0, 4, (200,), generator=gen).tolist()]
     lk = PromptLookup(*(sizes or LOOKUP_NGRAMS))
     mx, mn = sizes or (8, 2)
     for i, t in enumerate(seq):
