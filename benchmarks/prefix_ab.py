@@ -2,7 +2,7 @@
 
 Exports the bench model at a chosen capacity twice for one backend: with the default prefix
 lengths (every step method / graph takes the `slots` it attends, the runner picks the length)
-and with `prefix_lengths=()` (the whole cache, as exports were before). Reports each export's
+and with `prefix_lengths=()` (whole-cache steps). Reports each export's
 time, then, round by round in alternating order, prefill tokens/s of a short prompt (last-token
 logits, as generation reads them) and decode ms per step right after it; with
 `--baseline-capacity`, a whole-cache export at that capacity too, in the same rounds.

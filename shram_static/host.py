@@ -295,6 +295,27 @@ class HostDecoder:
             raise ValueError(f"rows must be in [0, {self.batch_size}), got {idx.tolist()}")
         self._counts.reset(idx.long())  # as `reset`: nothing of the new sequence to forget yet
 
+    def warm_up(self, kinds=("decode", "prefill_last")) -> None:
+        """Runs each kind of step once ahead of use on dead tokens, which change no state: a
+        loaded program pays its first calls here (`StaticDecoder` compiles its steps, and has
+        every kind of step).
+
+        Args:
+            kinds: "decode" (one token per row) and "prefill_last" (a prompt chunk, the logits
+                of each row's last live token).
+
+        Raises:
+            ValueError: another kind.
+        """
+        widths = {"decode": 1, "prefill_last": self.prefill_chunk}
+        bad = [k for k in kinds if k not in widths]
+        if bad:
+            raise ValueError(f"no {bad[0]!r} step to warm up here: the kinds are {tuple(widths)}")
+        B = self.batch_size
+        for kind in kinds:
+            C = widths[kind]
+            self.step(torch.zeros(B, C, dtype=torch.long), torch.zeros(B, C, dtype=torch.bool), last_only=True)
+
     def step(self, input_ids: torch.Tensor, live: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
         """Runs one fixed-shape step: each row advances by its own number of live tokens.
 

@@ -52,21 +52,19 @@ class PromptLookup:
 
     def __init__(self, max_ngram: int, min_ngram: int):
         self.sizes = range(max_ngram, min_ngram - 1, -1)
-        self.seq: list[int] = []
-        # WHY the tokens also as a str, one character each: `str.rfind` finds the latest earlier
+        # WHY the tokens as a str, one character each: `str.rfind` finds the latest earlier
         # occurrence of an n-gram in C, where an index of every n-gram, kept up in Python token
         # by token, was a visible share of a speculative round's host time
         self._text = ""
 
     def extend(self, tokens) -> None:
-        toks = [int(t) for t in tokens]
-        self.seq += toks
-        self._text += "".join(map(chr, toks))
+        self._text += "".join(map(chr, map(int, tokens)))
 
     def propose(self, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest matching
         n-gram at the end of the sequence ([] when none matches)."""
-        end, text = len(self.seq), self._text
+        text = self._text
+        end = len(text)
         if k < 1:
             return []
         for n in self.sizes:
@@ -74,7 +72,7 @@ class PromptLookup:
                 continue
             i = text.rfind(text[end - n:], 0, end - 1)  # an occurrence ending before `end`
             if i >= 0:
-                return self.seq[i + n:i + n + k]
+                return [ord(c) for c in text[i + n:i + n + k]]
         return []
 
 

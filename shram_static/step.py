@@ -125,7 +125,6 @@ def context(model, live: torch.Tensor, input_pos: torch.Tensor, ring: int, histo
                        slot_numbers(T, dev) if slots is None else slots, model.rope, mode)
 
 
-
 class StepModule(nn.Module):
     """The in-place step as a module: model weights plus state buffers, for eager,
     torch.compile and torch.export.

@@ -39,9 +39,9 @@ def pytest_collection_modifyitems(config, items):
     pytest-xdist 3.8's loadgroup silently stops grouping (it tags node IDs in a field pytest no
     longer reads; pytest-xdist issue #1386), and every worker that ran a fixture's tests built
     it again. Files are handed out in collection order, so the files go longest first (costed by
-    their `heavy` and other tests), each keeping its tests' order: the long ones start early and the short ones fill in at the end, the longest
-    processing time first rule of scheduling on identical machines. Without xdist the order is
-    the files'."""
+    their `heavy` and other tests), each keeping its tests' order: the long ones start early and
+    the short ones fill in at the end, the longest-processing-time-first rule of scheduling on
+    identical machines. Without xdist the order is the files'."""
     if not hasattr(config, "workerinput"):
         return
     cost = collections.Counter()

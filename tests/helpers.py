@@ -300,6 +300,22 @@ def check_last_token_prefill(dec, model) -> None:
     assert torch.equal(dec.generate(prompt, max_new_tokens=12, speculate=3), want)
 
 
+def fed_prefixes(dec, monkeypatch) -> list[tuple[int, int]]:
+    """A list that collects, for each step `dec` (an exported decoder) runs from now on, (the
+    most live tokens a row holds after it, the prefix length P of the slots it was fed)."""
+    from shram_static.state import PrefixSlots
+
+    fed, real = [], PrefixSlots.__call__
+
+    def spy(self, input_pos, chunk):
+        slots = real(self, input_pos, chunk)
+        if self is dec._slots:  # the runner's, not an eager decoder's
+            fed.append((int(input_pos.max()) + chunk, slots.shape[0]))
+        return slots
+    monkeypatch.setattr(PrefixSlots, "__call__", spy)
+    return fed
+
+
 def check_prefix_steps(dec, model, monkeypatch, lengths=(4, 8)) -> None:
     """An exported decoder whose steps attend a prefix of the sparse caches (exported with
     `prefix_lengths=lengths`; 3 rows, prefill chunk 4, W = 4, T = 20) against the eager
@@ -308,20 +324,12 @@ def check_prefix_steps(dec, model, monkeypatch, lengths=(4, 8)) -> None:
     holds ceil(count / W) slots (count: the most live tokens a row holds after the step), each
     length at least once."""
     from shram_static import StaticDecoder
-    from shram_static.state import PrefixSlots
 
     cfg = model.config
     W, T, B = cfg.block_length, cfg.mosrah_cache_length, dec.batch_size
     assert (W, T, B, dec.prefill_chunk) == (4, 20, 3, 4)
     all_lengths = (*lengths, T)
-    fed, real = [], PrefixSlots.__call__
-
-    def spy(self, input_pos, chunk):
-        slots = real(self, input_pos, chunk)
-        if self is dec._slots:  # the runner's, not the eager decoder's
-            fed.append((int(input_pos.max()) + chunk, slots.shape[0]))
-        return slots
-    monkeypatch.setattr(PrefixSlots, "__call__", spy)
+    fed = fed_prefixes(dec, monkeypatch)
     dec.reset()
     ref = StaticDecoder(model, B, 4)
     ids = random_ids(cfg, B, 48, seed=7)

@@ -175,6 +175,7 @@ def test_a_weight_in_another_layout_compiles_the_steps_again():
     torch.testing.assert_close(run(), want(), atol=TOL, rtol=0)
     assert counters["unique_graphs"] == graphs + 1
 
+
 @pytest.mark.parametrize("L, k", [(4, 2), (16, 4), (8, 1), (6, 6)])
 def test_top_k_as_ranks_is_top_k(L, k):
     """The compiled decode step's top-k (ranks, fused by Inductor) against a sort: largest

@@ -81,6 +81,18 @@ def cache_gathers(path) -> list[str]:
             and int(np.prod(shapes[n.input[0]])) in sizes]
 
 
+def set_export_meta(path, **changes) -> str:
+    """Rewrites the graph at `path` with each key of `changes` set in its `shram_export`
+    metadata (dropped where the value is None); returns `path`."""
+    m = onnx.load(path, load_external_data=False)
+    props = {q.key: q.value for q in m.metadata_props}
+    meta = {k: v for k, v in json.loads(props["shram_export"]).items() if k not in changes}
+    meta.update({k: v for k, v in changes.items() if v is not None})
+    onnx.helper.set_model_props(m, dict(props, shram_export=json.dumps(meta)))
+    onnx.save(m, path)
+    return path
+
+
 @pytest.mark.heavy
 def test_last_token_prefill_and_verify_graphs(tmp_path, monkeypatch):
     """The default export (`full_logits=False`) with a verify graph as wide as its prefill
@@ -107,11 +119,7 @@ def test_last_token_prefill_and_verify_graphs(tmp_path, monkeypatch):
     check_verify_step(dec, model)
     check_prefix_steps(dec, model, monkeypatch)
     # the same graphs with metadata that lists no lengths (an older export's): refused, not run
-    m = onnx.load(paths["decode"], load_external_data=False)
-    props = {q.key: q.value for q in m.metadata_props}
-    meta = {k: v for k, v in json.loads(props["shram_export"]).items() if k != "prefix_lengths"}
-    onnx.helper.set_model_props(m, dict(props, shram_export=json.dumps(meta)))
-    onnx.save(m, paths["decode"])
+    set_export_meta(paths["decode"], prefix_lengths=None)
     with pytest.raises(ExportFormatError, match="slots"):
         load_onnx(paths["decode"])
 
@@ -183,6 +191,13 @@ def test_matches_static_decoder_and_reset(builtin):
     assert torch.equal(a, b)
     dec.reset()
     assert torch.equal(dec.generate(prompt, max_new_tokens=16), a)
+    # warm-up (`HostDecoder.warm_up`, what `serve` and `bench` run first): dead tokens only
+    dec.reset()
+    dec.warm_up()
+    assert dec.live_counts.tolist() == [0, 0]
+    assert torch.equal(dec.generate(prompt, max_new_tokens=16), a)
+    with pytest.raises(ValueError, match="no 'verify' step to warm up"):
+        dec.warm_up(("decode", "verify"))
 
 
 def test_bad_artifacts(builtin, tmp_path):
@@ -240,13 +255,7 @@ def test_bad_artifacts(builtin, tmp_path):
     def with_meta(folder, **changes):  # a copy named as the original: its graphs name m.onnx.data
         (tmp_path / folder).mkdir()
         out = copy_export(tmp_path / folder / os.path.basename(paths["decode"]))
-        m = onnx.load(out["decode"], load_external_data=False)
-        props = {q.key: q.value for q in m.metadata_props}
-        meta = {k: v for k, v in json.loads(props["shram_export"]).items() if k not in changes}
-        meta.update({k: v for k, v in changes.items() if v is not None})
-        onnx.helper.set_model_props(m, dict(props, shram_export=json.dumps(meta)))
-        onnx.save(m, out["decode"])
-        return out["decode"]
+        return set_export_meta(out["decode"], **changes)
 
     # prefix lengths in the metadata of graphs that take no slots: a file from another export
     with pytest.raises(ExportFormatError, match="slots"):

@@ -1,5 +1,5 @@
-"""The prefix lengths of exported steps (`export/common.py`: `export_prefix_lengths`,
-`PrefixSlots`): which lengths an export carries, which one a runner feeds, and the arguments
+"""The prefix lengths of exported steps (`export/common.py`'s `export_prefix_lengths`,
+`state.PrefixSlots`): which lengths an export carries, which one a runner feeds, and the arguments
 an export refuses before tracing anything, and the `.pte`'s batch-1 decode method over a prefix.
 The exported steps of several rows are checked against the eager decoder in test_export_pte.py
 and test_export_onnx.py (`helpers.check_prefix_steps`)."""
@@ -7,7 +7,7 @@ and test_export_onnx.py (`helpers.check_prefix_steps`)."""
 import pytest
 import torch
 
-from helpers import tiny_model
+from helpers import fed_prefixes, tiny_model
 
 from shram_static import StaticDecoder
 from shram_static.bench.throughput import BENCH_CONFIG
@@ -61,18 +61,16 @@ def test_runner_feeds_the_shortest_length_holding_every_live_slot():
 @pytest.mark.heavy
 def test_batch_one_decode_method_over_a_prefix(tmp_path, monkeypatch):
     """At batch 1 an export with prefix lengths and `prefix_decode` keeps the stock runner's
-    `forward(tokens, input_pos)` over the whole cache and adds `decode(tokens, input_pos, live, slots)`, which
-    `load_pte` runs: a decode-only program fed 44 tokens one by one gives the eager decoder's
+    `forward(tokens, input_pos)` over the whole cache and adds `decode(tokens, input_pos, live,
+    slots)`, which `load_pte` runs: a decode-only program fed 44 tokens one by one gives the eager decoder's
     logits (within 1e-5) while the length it feeds grows 4, 8, 20 with the depth."""
     model = tiny_model(num_decoder_layers=1, training_sequence_length=64)  # T = 20, W = 4
     path = export_pte(model, tmp_path / "m.pte", prefill_chunk=None, prefix_lengths=(4, 8), prefix_decode=True)
     dec = load_pte(path)
     assert dec.meta["decode_method"] == "forward" and dec.meta["slots_methods"] == ["decode"]
     assert dec._program.metadata("forward").num_inputs() == 2 and dec._program.metadata("decode").num_inputs() == 4
-    fed, real = [], PrefixSlots.__call__
-    mine = lambda self, pos, c: self is dec._slots and fed.append(real(self, pos, c).shape[0])  # noqa: E731 (the runner's)
-    monkeypatch.setattr(PrefixSlots, "__call__", lambda self, pos, c: mine(self, pos, c) or real(self, pos, c))
+    fed = fed_prefixes(dec, monkeypatch)
     ref = StaticDecoder(model, 1, 1)
     ids = torch.randint(0, 256, (1, 44), generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(dec.prefill(ids), ref.prefill(ids), atol=1e-5, rtol=0)
-    assert fed == [4] * 16 + [8] * 16 + [20] * 12
+    assert [p for _, p in fed] == [4] * 16 + [8] * 16 + [20] * 12

@@ -20,6 +20,7 @@ percent within minutes), and the bandwidth behind the floor is read between thos
 All the runtimes of one run are held in memory at once (idle ones wait on their stdin).
 """
 
+import contextlib
 import json
 import os
 import statistics
@@ -65,6 +66,13 @@ def build_model(name: str, capacity: int | None = None):
     cfg = ShramConfig.from_json_file(os.path.join(name, "config.json"))
     cfg.inference_sequence_length = capacity
     return ShramForCausalLM.from_pretrained(name, config=cfg)
+
+
+def check_depths(depths: list[int] | None, steps: int, capacity: int) -> None:
+    """ValueError unless each of `depths` (None: the defaults) leaves room for `steps` steps in `capacity`."""
+    if depths and max(depths) + steps >= capacity:
+        raise ValueError(f"--depths must leave room for {steps} decode steps within the capacity {capacity}: "
+                         f"at most {capacity - steps - 1}, got {max(depths)}")
 
 
 def contexts(capacity: int, steps: int) -> list[int]:
@@ -114,9 +122,7 @@ class Runner:
         model = build_model(model_name, capacity)
         cfg = model.config
         B, S = batch_size, cfg.inference_sequence_length
-        if depths and max(depths) + steps >= S:
-            raise ValueError(f"--depths must leave room for {steps} decode steps within the capacity {S}: "
-                             f"at most {S - steps - 1}, got {max(depths)}")
+        check_depths(depths, steps, S)
         t = time.perf_counter()
         b = find_backend(backend)
         if b.runtime not in EXPORTED:
@@ -130,10 +136,7 @@ class Runner:
             dec = load_pte(artifact_path(out_dir, backend))
         gen = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
-        if hasattr(dec, "warm_up"):  # a StaticDecoder: every prefix length (past 4096 slots too)
-            dec.warm_up()
-        dec.prefill(self.ids[:, :prefill_chunk], last_only=True)  # the first calls compile (compiled)
-        dec.decode(self.ids[:, 0])
+        dec.warm_up()  # compiles (compiled: every prefix length, past 4096 slots too)
         self.dec, self.steps = dec, steps
         self.info = dict(model=model_name, backend=backend, batch=B, chunk=prefill_chunk,
                          warmup_s=round(time.perf_counter() - t, 2),
@@ -244,10 +247,8 @@ class Worker:
         a while, and this way they overlap."""
         if self.proc.poll() is None:
             if self.finished:
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    pass
             if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait()
@@ -363,9 +364,8 @@ def bench(args) -> int:
         raise ValueError("--batch-sizes, --steps and --prefill-chunk must be positive")
     if args.rounds < 1:
         raise ValueError("--rounds must be positive")
-    if args.capacity and args.depths and max(args.depths) + args.steps >= args.capacity:
-        raise ValueError(f"--depths must leave room for {args.steps} decode steps within --capacity "
-                         f"{args.capacity}: at most {args.capacity - args.steps - 1}, got {max(args.depths)}")
+    if args.capacity:  # before any worker starts; a model's own capacity is checked in its worker
+        check_depths(args.depths, args.steps, args.capacity)
     jobs = [(m, be, b) for m in args.models for b in args.batch_sizes for be in args.backends]
     x = bandwidth_buffer()  # 1 GiB, held for the bandwidth readings between rounds
     bandwidth = lambda: measure_bandwidth(x)  # noqa: E731

@@ -134,12 +134,11 @@ def row_writes_graph(src: str, dst: str) -> str:
     return dst
 
 
-def strip_node_metadata(path: str, value_info: bool = False) -> str:
+def strip_node_metadata(path: str) -> str:
     """Rewrites the graph at `path` without its nodes' `metadata_props` (the exporter's stack
     traces and FX names: four fifths of a graph file, and build paths no site should carry)
-    and, with `value_info`, without the shapes of its intermediate values (a fifth of what is
-    left: onnxruntime infers them when it loads the graph); the weights' external data file is
-    left as it is.
+    and without the shapes of its intermediate values (a fifth of what is left: onnxruntime
+    infers them when it loads the graph); the weights' external data file is left as it is.
 
     Returns:
         path.
@@ -149,8 +148,7 @@ def strip_node_metadata(path: str, value_info: bool = False) -> str:
     m = onnx.load(path, load_external_data=False)
     for n in m.graph.node:
         del n.metadata_props[:]
-    if value_info:
-        del m.graph.value_info[:]
+    del m.graph.value_info[:]
     onnx.save(m, path)
     return path
 
@@ -207,7 +205,6 @@ def export_web(model, tokenizer, out_dir, prefill_chunk: int | None = 32, *, par
                         quantize=quantize, quantize_embedding=quantize == "int4", prefix_lengths=())
     for role in ("decode", "prefill"):
         if role in paths:  # model.onnx -> model.rows.onnx, model.prefill.onnx -> model.rows.prefill.onnx
-            strip_node_metadata(paths[role])
             rows = os.path.join(out_dir, "model.rows" + os.path.basename(paths[role]).removeprefix("model"))
             paths[f"{role}_rows"] = row_writes_graph(paths[role], rows)
             if quantize is not None:  # what onnxruntime-web runs: float MatMuls of weights dequantized at load
@@ -215,9 +212,9 @@ def export_web(model, tokenizer, out_dir, prefill_chunk: int | None = 32, *, par
                 onnx.save(dequantized_matmuls(onnx.load(rows, load_external_data=False))[0], dq)
                 onnx.checker.check_model(dq)
                 paths[f"{role}_rows_dq"] = dq
-    for role, p in paths.items():  # the row-writes graphs were made with the shapes: now they go
+    for role, p in paths.items():  # after the row-writes graphs, which are made with the shapes
         if role != "data":
-            strip_node_metadata(p, value_info=True)
+            strip_node_metadata(p)
     graph = onnx.load(paths["decode"], load_external_data=False).graph
     state = [{"name": i.name.removeprefix("past."), "type": _ONNX_TYPES[i.type.tensor_type.elem_type],
               "dims": [d.dim_value for d in i.type.tensor_type.shape.dim]}

@@ -258,13 +258,7 @@ class Engine:
             self.decoder, self.tokenizer = self._load()
             if self.warmup:
                 self.status = "compiling"
-                dec = self.decoder
-                if hasattr(dec, "warm_up"):  # a StaticDecoder: its steps at every prefix length
-                    dec.warm_up(("decode", "prefill_last"))
-                else:
-                    for C in (1, dec.prefill_chunk):  # dead tokens only: no row changes
-                        dec.step(torch.zeros(dec.batch_size, C, dtype=torch.long),
-                                 torch.zeros(dec.batch_size, C, dtype=torch.bool), last_only=True)
+                self.decoder.warm_up(("decode", "prefill_last"))  # dead tokens only: no row changes
             self._rows = [None] * self.decoder.batch_size
             self.status = "ready"
         except Exception as e:  # reported by /health until the server exits
