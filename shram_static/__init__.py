@@ -1,12 +1,10 @@
-"""shram_static: SHRAM language models from static graphs.
+"""shram_static: SHRAM language models from static graphs: fixed-shape state, branchless
+prefill/decode steps that compile with `torch.compile(fullgraph=True)` and export to ExecuTorch
+and ONNX.
 
-Fixed-shape state, branchless prefill/decode steps that compile with
-`torch.compile(fullgraph=True)` and export to ExecuTorch and ONNX.
-
-Importing the package imports neither torch nor transformers: each public name below is
-imported on first use (PEP 562), so the command line answers at once. Importing the model or
-its config (`ShramConfig`, `ShramForCausalLM`, or any name that needs them) registers
-`model_type = "shram"` with transformers' `AutoConfig` and `AutoModelForCausalLM`.
+Importing the package imports neither torch nor transformers: each public name is imported on
+first use (PEP 562). Importing the model or its config registers `model_type = "shram"` with
+transformers' `AutoConfig` and `AutoModelForCausalLM`.
 """
 
 import importlib as _importlib

@@ -1,7 +1,6 @@
 """The backends, declared once (`TABLE`): each name every command takes, the runtime that runs
-it and its weight quantization. The CLI's choices, `bench`, `bench-speculative`, `export
---quantize` and each quantizer's accepted modes derive from it; `decoders.make_decoder` builds a
-decoder for any of them. A leaf module: it imports nothing.
+it and its weight quantization; the CLI's choices and each quantizer's modes derive from it.
+A leaf module: it imports nothing.
 """
 
 import dataclasses
@@ -24,8 +23,6 @@ class Backend:
     speculative: bool = True
 
 
-# The one declaration of the backends: the CLI's choices, `bench`, `bench-speculative`,
-# `export --quantize` and every quantizer's accepted modes derive from it.
 TABLE = (
     Backend("eager", "eager"),
     Backend("compiled", "compiled"),

@@ -1,20 +1,10 @@
 """`ShramCache`: the fixed-shape SHRAM state (`StaticState`) as a `transformers.Cache`.
 
-`generate()` talks to a cache through a small protocol (transformers 5.x): `get_seq_length()`
-(it slices `input_ids` and the attention mask by it), `is_compileable` (auto-compile of the
-decode forward), `reorder_cache(beam_idx)` (beam search), and `crop` / `is_croppable` in
-assisted and prompt-lookup decoding (forgetting rejected tokens: `HostDecoder.rollback`).
-SHRAM's state is not head-shaped key/value tensors that grow by one column per token: each
-decoder layer holds a local ring and per-expert sparse caches (see `state.py`), written by the
-static step (`step.py`). So the layers here are thin views on `StaticState.layers`, and all
-writing happens in `ShramCache.run`, the one place that calls the step.
-
-Its counters are tensors: Python ints stored on the cache would be guarded by `torch.compile`
-and recompile the decode forward at every step.
-- `live_counts (B,)`, `undo (B,)`: live tokens each row holds (the step's `input_pos`) and
-  tokens it can forget now (`crop`), kept by `rows.RowCounts` as `HostDecoder`'s are.
-- `columns ()`: padded columns consumed, what `get_seq_length()` reports; a dead (left-pad)
-  column counts, because `generate()` slices the padded `input_ids` and mask by it.
+It implements the part of transformers' (5.x) cache protocol `generate()` uses:
+`get_seq_length()`, `is_compileable`, `reorder_cache` (beam search) and `crop` (assisted and
+prompt-lookup decoding). The layers are thin views on `StaticState.layers`; all writing happens
+in `ShramCache.run`, the one place that calls the step. Its counters are tensors: Python ints
+on the cache would be guarded by `torch.compile` and recompile the decode forward every step.
 """
 
 import torch
@@ -29,12 +19,8 @@ DEFAULT_PREFILL_CHUNK = 32
 
 
 class ShramCacheLayer(CacheLayerMixin):
-    """One decoder layer's part of a `ShramCache` (its `LayerState` buffers).
-
-    The layer never takes key/value updates (`update` raises): the static step writes the
-    whole state at once. It exists so the `Cache` has one layer per decoder layer, as
-    transformers expects.
-    """
+    """One decoder layer's part of a `ShramCache`: transformers expects one per layer, but the
+    static step writes the whole state at once (`update` raises)."""
 
     is_compileable = True
     is_croppable = True  # exact, up to the cache's rollback_limit (ShramCache.crop)
@@ -74,20 +60,14 @@ class ShramCache(Cache):
     """Fixed-shape decoding state for `ShramForCausalLM.generate` (and direct forward calls).
 
     Args:
-        config: the model's `ShramConfig`; `inference_sequence_length` is the capacity
-            (live tokens per row).
-        batch_size: B rows (for beam search / several return sequences: batch times
-            max(num_beams, num_return_sequences)).
-        prefill_chunk: C, tokens per prefill step; a longer input runs as several chunks of
-            exactly C (the last padded with dead tokens), so every prefill step has one shape.
-        dtype, device: of the state; use the model's (`model.dtype`, `model.device`).
-        rollback_limit: the most tokens `crop` can remove at once (default and minimum
-            prefill_chunk; assisted decoding removes up to its number of draft tokens).
+        config: the model's `ShramConfig` (`inference_sequence_length`: live tokens per row).
+        batch_size: B rows (beam search: batch times max(num_beams, num_return_sequences)).
+        prefill_chunk: C, tokens per prefill step (longer inputs run as padded C-token chunks).
+        dtype, device: of the state; use the model's.
+        rollback_limit: the most tokens `crop` can remove at once (default and minimum C).
 
-    Pass it as `model.generate(..., cache=cache)` to keep the state across calls: the next
-    call's `input_ids` must then be the whole sequence so far (earlier prompt and outputs
-    included, e.g. the previous call's output plus new tokens) and its attention mask must
-    cover all of it, as for any transformers cache.
+    With `model.generate(..., cache=cache)` the state carries across calls: the next call's
+    `input_ids` and mask must cover the whole sequence so far, as for any transformers cache.
     """
 
     def __init__(self, config: ShramConfig, batch_size: int = 1, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
@@ -102,7 +82,8 @@ class ShramCache(Cache):
                                  rollback_limit=rollback_limit)
         dev = self.state.layers[0].routes.device
         self.counts = RowCounts(batch_size, dev)
-        self.columns = torch.zeros((), dtype=torch.long, device=dev)  # ()
+        # padded columns consumed (`get_seq_length`): dead ones count, as generate() slices by it
+        self.columns = torch.zeros((), dtype=torch.long, device=dev)
         super().__init__(layers=[ShramCacheLayer(self, i) for i in range(config.num_decoder_layers)])
 
     # -- properties -------------------------------------------------------------------
@@ -151,7 +132,7 @@ class ShramCache(Cache):
         return self.capacity
 
     def reset(self) -> None:
-        """Empties every row (the buffers are zeroed too, though position 0 alone would do)."""
+        """Empties every row (and zeroes the buffers)."""
         self.state.zero_()
         self.counts.reset()
         self.columns.zero_()
@@ -163,13 +144,12 @@ class ShramCache(Cache):
         self.counts.reorder(idx)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Forgets the last `-tokens_to_remove` columns of every row, exactly (transformers 5.x
-        semantics: a negative count; 0 is a no-op). The columns must be live tokens of every
-        row (what assisted decoding appends).
+        """Forgets the last `-tokens_to_remove` columns of every row, exactly (transformers 5.x:
+        a negative count); the columns must be live tokens of every row.
 
         Raises:
-            ValueError: a positive count, or more than a row can forget (`rollback_limit`,
-                fewer right after a crop); nothing changed.
+            TypeError, ValueError: not an int, a positive count, or more than a row can forget
+                now; nothing changed.
         """
         if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
             raise TypeError(f"tokens_to_remove must be an int, got {type(tokens_to_remove).__name__}")
@@ -194,12 +174,8 @@ class ShramCache(Cache):
 
     # -- running the static step --------------------------------------------------------
     def run(self, model, ids: torch.Tensor, live: torch.Tensor, keep: int = 0) -> torch.Tensor:
-        """Appends N columns to every row and returns their logits.
-
-        N = 1 is one decode step; longer inputs run as ceil(N / C) prefill steps of exactly C
-        columns. No validation and no host read-back here (it runs inside the compiled decode
-        forward): `ShramForCausalLM.forward` validates eager calls, `generate` checks capacity
-        up front.
+        """Appends N columns to every row (N = 1: a decode step; else C-column prefill steps) and
+        returns their logits. No validation or host read-back: it runs inside the compiled forward.
 
         Args:
             model: the `ShramForCausalLM` whose dtype and device this cache has.
@@ -221,8 +197,7 @@ class ShramCache(Cache):
             for c0 in starts:
                 lc = live[:, c0:c0 + C]
                 if not torch.compiler.is_compiling() and not bool(lc.any()):
-                    # A chunk of padding only is a no-op: skip its compute (eager only, as the
-                    # check reads a value back to the host).
+                    # a chunk of padding only is a no-op (skipped eagerly: the check reads back)
                     if c0 >= first:
                         chunks.append(torch.zeros(B, C, model.config.vocab_size, dtype=self.dtype,
                                                   device=self.device))

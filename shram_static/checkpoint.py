@@ -16,19 +16,13 @@ WEIGHTS_FILE = "model.safetensors"
 LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def expected_shapes(model) -> dict[str, tuple[int, ...]]:
-    """Key -> shape of every tensor a checkpoint of `model` holds (tied lm_head excluded)."""
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-
 def _some(items: list[str], n: int = 10) -> str:
-    """The first n items, and how many more (a wrong config can mismatch hundreds of keys)."""
+    """The first n items, and how many more."""
     more = f" and {len(items) - n} more" if len(items) > n else ""
     return f"{items[:n]}{more}"
 
 
-# Options transformers' Auto classes (and hub-style callers) pass on to `from_pretrained`; none
-# of them changes how a local directory loads.
+# Options transformers' Auto classes pass on to `from_pretrained`: none changes a local directory's load.
 IGNORED_KWARGS = frozenset({"_from_auto", "adapter_kwargs", "trust_remote_code", "revision", "cache_dir",
                             "force_download", "local_files_only", "proxies", "token", "code_revision",
                             "_commit_hash"})
@@ -36,12 +30,9 @@ IGNORED_KWARGS = frozenset({"_from_auto", "adapter_kwargs", "trust_remote_code",
 
 def _resolve_kwargs(path: str, dtype, kwargs: dict):
     """(path, dtype) after the Auto-class options: `subfolder`, `torch_dtype` (alias of dtype)."""
-    if kwargs.get("torch_dtype") is not None:
-        dtype = kwargs.pop("torch_dtype")
-    kwargs.pop("torch_dtype", None)
-    if kwargs.get("subfolder"):
-        path = os.path.join(path, kwargs.pop("subfolder"))
-    kwargs.pop("subfolder", None)
+    torch_dtype, subfolder = kwargs.pop("torch_dtype", None), kwargs.pop("subfolder", None)
+    dtype = dtype if torch_dtype is None else torch_dtype
+    path = os.path.join(path, subfolder) if subfolder else path
     unknown = sorted(k for k in kwargs if k not in IGNORED_KWARGS)
     if unknown:
         raise TypeError(f"ShramForCausalLM.from_pretrained got unsupported keyword arguments {unknown}; "
@@ -77,49 +68,33 @@ def load_pretrained(cls, path, dtype: torch.dtype | str = torch.float32, config:
         sd = load_file(os.path.join(path, WEIGHTS_FILE))
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{os.path.join(path, WEIGHTS_FILE)} is not a readable safetensors file: {e}") from e
+    # built on the meta device (no random init, no global-RNG use), then given the file's tensors
     with torch.device("meta"):
         model = cls(config)
-    want = expected_shapes(model)
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # tied lm_head excluded
     missing = sorted(set(want) - set(sd))
     extra = sorted(set(sd) - set(want))
     wrong = sorted(f"{k}: file {tuple(sd[k].shape)}, expected {want[k]}"
                    for k in set(want) & set(sd) if tuple(sd[k].shape) != want[k])
     bad_dtype = sorted(f"{k}: {sd[k].dtype}" for k in sd if sd[k].dtype not in LOADABLE_DTYPES)
-    problems = []
-    if missing:
-        problems.append(f"missing keys {_some(missing)}")
-    if extra:
-        problems.append(f"unexpected keys {_some(extra)}")
-    if wrong:
-        problems.append(f"misshapen keys {_some(wrong)}")
-    if bad_dtype:
-        problems.append(f"keys of unsupported dtype (need fp32, bf16 or fp16) {_some(bad_dtype)}")
+    problems = [f"{what} {_some(keys)}" for what, keys in (
+        ("missing keys", missing), ("unexpected keys", extra), ("misshapen keys", wrong),
+        ("keys of unsupported dtype (need fp32, bf16 or fp16)", bad_dtype)) if keys]
     if problems:
         raise CheckpointError(f"{os.path.join(path, WEIGHTS_FILE)} does not match its config.json: "
                               + "; ".join(problems))
     if check_finite:
         check_finite_tensors(sd, os.path.join(path, WEIGHTS_FILE))
-    # Build on the meta device (no random init, no global-RNG use), then take the file's
-    # tensors as the parameters; only the computed RoPE tables are made for real.
-    with torch.device("meta"):
-        model = cls(config)
     if dtype == "auto":  # the file's dtype (its first floating tensor's)
         dtype = next(iter(sd.values())).dtype
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
-    model.rope = RotaryTables(config)
+    model.rope = RotaryTables(config)  # the computed tables, made for real
     return model.eval()
 
 
 def check_finite_tensors(sd: dict, where: str) -> None:
-    """Raises CheckpointError naming every tensor of `sd` that holds a NaN or an Inf.
-
-    WHY at load time: a single NaN weight makes every logit NaN, and greedy decoding then
-    emits token 0 forever; found here, the message names the tensor instead.
-
-    Args:
-        sd: key -> tensor, as read from the file.
-        where: the file, for the message.
-    """
+    """Raises CheckpointError naming every tensor of `sd` that holds a NaN or an Inf (`where`: the
+    file). WHY at load: one NaN weight makes every logit NaN, and greedy decoding emits token 0."""
     bad = []
     for k in sorted(sd):
         t = sd[k]

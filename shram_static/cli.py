@@ -1,10 +1,5 @@
-"""Command line: `shram-static generate|bench|export ...` (also `python -m shram_static`).
-
-`generate` prints the continuation of a prompt, from the built-in model or a checkpoint
-directory, on any backend. Progress messages go to stderr, the text alone to stdout. Errors
-a user can fix (a bad checkpoint, a prompt too long for the capacity, ...) print one
-`error: ...` line to stderr and exit with status 2.
-"""
+"""Command line: `shram-static generate|bench|export ...` (also `python -m shram_static`). Progress
+goes to stderr, results to stdout; an error a user can fix prints one `error: ...` line, status 2."""
 
 import argparse
 import contextlib
@@ -41,8 +36,6 @@ def generate(args) -> int:
     sample = args.temperature is not None or args.top_k is not None or args.top_p is not None
     with contextlib.suppress(AttributeError, ValueError):
         sys.stdout.reconfigure(errors="replace")
-    # Text goes to stdout as it is produced (a multi-byte character once all its bytes are
-    # in); the streamer ends it with a newline. Progress stays on stderr.
     streamer = TextTokenStreamer(tok, sys.stdout, eos_token_id=tok.eos_token_id)
     with contextlib.ExitStack() as stack:
         spec = args.speculate or (4 if args.draft is not None else None)
@@ -107,11 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     from . import evaluate, train
     from .bench import cli as bench_cli
     from .export import cli as export_cli
-    bench_cli.register(subparsers)
-    bench_cli.register_speculative(subparsers)
-    export_cli.register(subparsers)
-    train.register(subparsers)
-    evaluate.register(subparsers)
+    for register in (bench_cli.register, bench_cli.register_speculative, export_cli.register, train.register,
+                     evaluate.register):
+        register(subparsers)
     from .serve import cli as serve_cli  # FastAPI/uvicorn are imported only when serving
     serve_cli.register(subparsers)
     return parser

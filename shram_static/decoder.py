@@ -17,45 +17,30 @@ from .step import StepModule
 from .validation import check_verify_len
 
 
-# Inductor option for a compiled decode step of 2..FEW_ROWS rows: store a value read by several
-# consumers (here: the n row reductions of each RowLinear) instead of recomputing it in each.
-# WHY: Inductor inlines a cheap producer such as the RMSNorm into every consumer, and Inductor's
-# C++ keeps libm's errno semantics (-fmath-errno), so the norm's rsqrt stays in the innermost
-# loop, once per row per 8 weights. At one row the default fusion is as fast or faster
-# (docs/performance.md, "Compiled torch"; "Tried and not kept").
+# Inductor option for a compiled step of 2..FEW_ROWS rows: store a value read by several
+# consumers (each RowLinear's row reductions). WHY: Inductor inlines the RMSNorm into every
+# consumer and keeps libm's errno semantics, so its rsqrt stays in the innermost loop
+# (docs/performance.md, "Compiled torch").
 ROW_INPUTS_STORED = {"realize_reads_threshold": 1}
 
-# Inductor option for both compiled steps: no `assert_size_stride` calls in the generated
-# Python wrapper. WHY: it re-checks, on every call, the sizes and strides of every weight and
-# state tensor a step reads (each a C++ call from Python); Dynamo's
-# guards check the same before every call, and a step's own inputs come from `_run` in fixed
-# shapes. A public Inductor option, not a registered accelerator.
+# Inductor option: no `assert_size_stride` calls in the generated wrapper. WHY: they re-check
+# every weight and state tensor on every call; Dynamo's guards and `_run`'s fixed shapes suffice.
 NO_SIZE_ASSERTS = {"size_asserts": False}
 
-# Inductor option for every compiled step: the C++ compiler may contract a product and the sum
-# it feeds into one fused multiply-add. WHY: Inductor builds its C++ with -ffp-contract=off
-# (its `cpp.enable_floating_point_contract_flag`), so each of RowLinear's row reductions and
-# each attention sum issues a multiply and a separate add per element, and the few-token steps
-# are bound by those instructions once their weights sit in cache. An FMA rounds once instead
-# of twice: the logits move by float rounding, as any change of summation order does
-# (docs/performance.md, "Compiled torch"). A public Inductor option; empty where a torch lacks it.
+# Inductor option: the C++ compiler may contract a product and the sum it feeds into one FMA.
+# WHY: Inductor builds with -ffp-contract=off, and the few-token steps are bound by the separate
+# multiplies and adds (docs/performance.md, "Compiled torch"). Empty where a torch lacks it.
 FMA_CONTRACTION = ({"cpp.enable_floating_point_contract_flag": "fast"}
                    if hasattr(torch._inductor.config.cpp, "enable_floating_point_contract_flag") else {})
 
 
 def owned_guards(entries) -> list[bool]:
-    """Dynamo's guard filter for every compiled step (`torch.compile`'s public
-    `guard_filter_fn`): keeps the guards on the step's inputs and on global state (grad mode,
-    the prefix length's range), and drops those on the decoder's own model copy (its modules'
-    structure, and the weights and state tensors they hold) and on module globals.
+    """Dynamo's `guard_filter_fn` for every compiled step: keeps the guards on the step's inputs
+    and on global state, drops those on the decoder's own model copy and on module globals.
 
-    WHY: those are about 600 checks before every call, about a tenth of the built-in model's
-    decode step (docs/performance.md, "Host cost of the compiled step"). No caller's code reaches
-    the decoder's copy (`shared_copy`: new modules over the caller's weights); a caller may
-    change a weight's data, which the decoder follows (`StaticDecoder._follow_weights` compiles
-    again where a tensor's layout changed); and each decoder's steps are code objects of its own
-    (`StaticDecoder.step_function`), so no other decoder's graph can match. Public filters of
-    `torch.compiler` (the `_unsafe` in their names is theirs).
+    WHY: those are hundreds of checks per call (docs/performance.md, "Host cost of the compiled
+    step"); no caller's code reaches the copy, `_follow_weights` notices a changed weight, and
+    each decoder's steps are code objects of its own (docs/design.md, "How each backend runs the step").
 
     Args:
         entries: Dynamo's guard entries of one graph.
@@ -68,13 +53,11 @@ def owned_guards(entries) -> list[bool]:
     return [m and g for m, g in zip(mods, glob)]
 
 
-# what every compiled step is built with
 STEP_OPTIONS = {**NO_SIZE_ASSERTS, **FMA_CONTRACTION, "guard_filter_fn": owned_guards}
 KINDS = ("decode", "prefill", "verify", "prefill_last")  # the kinds of step (`StaticDecoder.step_function`)
-# The longest prefix of the short side: a compiled kind of step is two graphs, prefixes of at
-# most and of more than ACC_CHUNK slots. WHY: Inductor's C++ sums a float reduction of more than
-# 4096 elements in chunks (its `need_use_acc_helper`) and guards the length on the side it
-# compiled, so a single graph would recompile when the rows pass 4096 slots.
+# A compiled kind of step is two graphs, prefixes of at most and of more than ACC_CHUNK slots.
+# WHY: Inductor sums a float reduction of more than 4096 elements in chunks and guards the length
+# on the side it compiled, so one graph would recompile when the rows pass 4096 slots.
 ACC_CHUNK = 4096
 
 
@@ -85,37 +68,18 @@ class StaticDecoder(HostDecoder):
         model: a `ShramForCausalLM` (eval mode; its dtype and device are used for the state).
         batch_size: B rows.
         prefill_chunk: C tokens per prefill step (prompts are split into C-token chunks).
-        compile: wrap each step in `torch.compile(fullgraph=True, dynamic=False)`; each
-            compiles once, on first use (a collection of `KINDS`: only those kinds). With batch_size <= FEW_ROWS on CPU the compiled steps
-            run their projections as `RowLinear` and their experts as `RowExperts` on the
-            decoder's own `shared_copy` of the model (same weight tensors, and its own copy of
-            each projection's weight in a packed layout and of the experts' q, k and v side by
-            side, made again before a step if a weight has changed); the model passed in is
-            never modified. On CPU, Inductor's check of the machine's vector ISA starts
-            at once, in the background (`cpu_isa.py`).
+        compile: wrap each step in `torch.compile(fullgraph=True, dynamic=False)`, compiled on
+            first use (a collection of `KINDS`: only those kinds). With batch_size <= FEW_ROWS
+            on CPU the steps run on a `shared_copy` with `RowLinear` / `RowExperts` (the model
+            passed in is never modified).
         eos_token_id: id that ends a row in `generate`.
-        verify_len: tokens per row of the verify step (`verify`: the last accepted token and
-            up to verify_len - 1 guesses, speculative decoding), its own compiled function;
-            None: no verify step (verification then runs as prefill). Steps of at most
-            verify_len tokens per row attend per token, as the decode step does (`step.step`'s
-            per_token_max); longer prefill chunks attend expert by expert. Compiled on CPU,
-            a verify step of at most FEW_ROWS (8) tokens per row runs its projections as
-            `RowLinear` row reductions; a longer one as matrix products, which made a 9-token
-            verify step cost ~3 decode steps on the built-in model.
-        rollback_limit: the most tokens a row can forget at once (`rollback`); the state is
-            built for max(prefill_chunk, verify_len, rollback_limit) (see `state.py`).
-        quantize: None (the model's weights), "int8" or "int4": the decoder's copy takes
-            weight-only quantized linear layers (`quantized.quantize_linears_`: every
-            projection and the lm_head; int8 per output channel, int4 in groups of 32 inputs),
-            made once here from the model's weights (later changes to them are not followed).
-            Eager and compiled; the model passed in is not modified.
-        options: Inductor options added to every compiled step's own (`torch.compile`'s).
-
-    Each step runs over the first P slots of every expert's cache, the shortest of
-    `prefix_lengths` that holds every row's live slots (`state.prefix_len`), so a step's cost
-    follows the rows' depth, not the capacity. `step_function(kind)` is one kind of step (decode,
-    prefill, verify, prefill_last: a prompt chunk's logits at each row's last live token) at
-    every length; each compiles on its first call, or ahead in `warm_up`.
+        verify_len: tokens per row of the verify step (speculative decoding), which attends per
+            token as the decode step does; None: verification runs as prefill.
+        rollback_limit: the most tokens a row can forget at once; the state is built for
+            max(prefill_chunk, verify_len, rollback_limit).
+        quantize: None, "int8" or "int4": weight-only quantized linear layers on the decoder's
+            copy (`quantized.quantize_linears_`), made once here (later weight changes are not followed).
+        options: Inductor options added to every compiled step's own.
     """
 
     def __init__(self, model, batch_size: int = 1, prefill_chunk: int = 32, compile=False,
@@ -136,30 +100,23 @@ class StaticDecoder(HostDecoder):
         self.state = StaticState(model.config, batch_size, prefill_chunk, dtype=p.dtype, device=p.device,
                                  rollback_limit=max(rollback_limit or 0, verify_len or 0))
         self.rollback_limit, self.verify_len = self.state.rollback_limit, verify_len
-        # The verify step (a few tokens per row) attends per token, as the decode step does:
-        # Inductor reads the gathered caches in place (exports, where a gather is a copy, do not).
+        # the verify step attends per token: Inductor reads the gathered caches in place
         few = verify_len or 1
         decode_options = STEP_OPTIONS
         if kinds and batch_size <= FEW_ROWS and p.device.type == "cpu":
-            # every compiled step on the swapped copy: decode and verify rows as row reductions,
-            # a prefill chunk's projections as F.linear and its experts as one batched matmul
-            # (RowExperts), the last-token head of a prompt chunk over B rows
             row_linear_(self.model)
             # int4, at one row too: its loops are bound by instructions, and the norm's rsqrt
             # inlined into each of them is measurable (docs/performance.md, "Quantization")
             if batch_size > 1 or quantize == "int4":
                 decode_options = {**STEP_OPTIONS, **ROW_INPUTS_STORED}
         self.module = StepModule(self.model, self.state, per_token_max=few)
-        # the RowLinears and RowExperts, whose own copies are packed again before a step once a
-        # weight they are made of has changed (its version counter: written in place; its data
-        # pointer: replaced)
+        # the RowLinears and RowExperts, packed again before a step once one of their weights changed
         packers = [m for m in self.module.modules() if isinstance(m, (RowLinear, RowExperts))]
         self._row_owner = [m for m in packers for _ in m.sources]  # the packer of each weight
         self._row_weights = [w for m in packers for w in m.sources]
         self._row_stamps = _stamps(self._row_weights)
-        # every tensor a step reads besides its inputs, and where each one's data starts: the
-        # steps' guards skip them (`owned_guards`), so `_follow_weights` compiles again when
-        # one's layout changed
+        # every tensor a step reads besides its inputs: the guards skip them (`owned_guards`), so
+        # `_follow_weights` compiles again when one's layout changed
         self._read = self._reads()
         self._read_ptrs = [t.data_ptr() for t in self._read]
         self._read_layouts = [_layout(t) for t in self._read]
@@ -167,8 +124,7 @@ class StaticDecoder(HostDecoder):
         self._compiled_kinds = kinds
         self._dynamic: set[tuple[str, bool]] = set()  # the step functions that have been called
         self._held: set[str] | None = None  # inside `steady`: the steps whose weights were checked there
-        # each kind of step's Inductor options: the verify step (a few tokens per row) reads each
-        # RowLinear weight once for all its rows, as a decode step of several rows does
+        # the verify step reads each RowLinear weight once for all its rows, as a multi-row decode does
         self._options = {k: {**o, **(options or {})} for k, o in (
             ("decode", decode_options), ("prefill", STEP_OPTIONS), ("prefill_last", STEP_OPTIONS),
             ("verify", {**STEP_OPTIONS, **ROW_INPUTS_STORED}))}
@@ -182,14 +138,9 @@ class StaticDecoder(HostDecoder):
             accelerators.prepare_compile(p.device.type)  # ISA check beside the first trace; batched builds
 
     def step_function(self, kind: str, long: bool = False):
-        """The function that runs one kind of step, made on first request:
-        `tokens (B, C), input_pos (B,), live (B, C), slots (P,) -> logits`, over the first P
-        slots of the sparse caches (`step.step`'s slots: `slot_numbers(T)[:P]`).
-
-        A compiled kind is a `torch.compile(fullgraph=True, dynamic=False)` function of its own
-        code object, so no kind's shapes ever recompile another's; P is its one dynamic size, so
-        one graph serves every length up to ACC_CHUNK, and one more every longer length. It
-        compiles on its first call (or in `warm_up`).
+        """The function of one kind of step, made on first request:
+        `tokens (B, C), input_pos (B,), live (B, C), slots (P,) -> logits`. A compiled kind has
+        its own code object (no kind recompiles another) and P as its one dynamic size.
 
         Args:
             kind: "decode" (C = 1), "prefill" (C = prefill_chunk), "verify" (C = verify_len) or
@@ -220,21 +171,23 @@ class StaticDecoder(HostDecoder):
         return run
 
     def warm_up(self, kinds=("decode", "prefill_last")) -> None:
-        """Compiles (or, eager, runs) each kind of step ahead of use, on dead tokens, which
-        change no state (they write only the sink rows).
+        """Compiles (or, eager, runs) each kind of step ahead of use, on dead tokens (no state changes).
 
         Args:
             kinds: the kinds of step (`step_function`); "verify" only with a verify step.
         """
-        B, d = self.batch_size, self.device
+        B = self.batch_size
         widths = {"decode": 1, "prefill": self.prefill_chunk, "prefill_last": self.prefill_chunk,
                   "verify": self.verify_len}
         if "verify" in kinds and self.verify_len is None:
             raise ValueError("warm_up('verify') needs a decoder built with verify_len")
+        bad = [k for k in kinds if k not in widths]
+        if bad:  # before any step runs or prints
+            raise ValueError(f"no {bad[0]!r} step to warm up here: the kinds are {tuple(widths)}")
         # a depth whose prefix is the shortest, and one past ACC_CHUNK slots where there is one
         depths = [0] + [self.config.block_length * ACC_CHUNK] * (self.prefix_lengths[-1] > ACC_CHUNK)
         for kind in kinds:
-            C = widths.get(kind, 0)
+            C = widths[kind]
             for depth in depths:
                 info(f"warming up the {kind} step" + f" (prefixes over {ACC_CHUNK} slots)" * (depth > 0))
                 self._run(torch.zeros(B, C, dtype=torch.long), torch.full((B,), depth),
@@ -247,11 +200,8 @@ class StaticDecoder(HostDecoder):
     def _run(self, tokens, input_pos, live, kind: str | None = None):
         C = tokens.shape[1]
         kind = kind or ("decode" if C == 1 else "prefill" if C == self.prefill_chunk else "verify")
-        # every live slot of every row fits: at most max(input_pos) + C tokens after the step
         slots = self._slots(input_pos, C)
         key = (kind, slots.shape[0] > ACC_CHUNK)
-        d = self.device
-        args = tokens.to(d), input_pos.to(d), live.to(d), slots
         # every kind of a compiled decoder's steps, eager ones too, reads the packed copies
         if self.compiled and (self._held is None or kind not in self._held):
             self._follow_weights()  # first: it may drop the compiled steps
@@ -262,17 +212,16 @@ class StaticDecoder(HostDecoder):
             if len(self.prefix_lengths) > 1:
                 accelerators.dynamic_length(slots)
             self._dynamic.add(key)
-        return fn(*args)
+        d = self.device
+        return fn(tokens.to(d), input_pos.to(d), live.to(d), slots)
 
     def _reads(self) -> list[torch.Tensor]:
-        """The model copy's tensors (the state, the decoder's own and never replaced, aside)."""
+        """The model copy's tensors (the state, never replaced, aside)."""
         return [*self.model.parameters(), *self.model.buffers()]
 
     def _follow_weights(self) -> None:
-        """Packs again the copies of every RowLinear or RowExperts one of whose weights has
-        changed since they were packed (written in place, or replaced); if a tensor the steps
-        read now has another shape, stride, dtype, device or alignment (the guards that would
-        notice are skipped: `owned_guards`), drops the compiled steps, which compile again."""
+        """Repacks the RowLinears / RowExperts whose weights changed; drops the compiled steps
+        if a tensor they read changed layout (the guards that would notice are skipped)."""
         stamps = _stamps(self._row_weights)
         repacked = stamps != self._row_stamps
         if repacked:
@@ -291,9 +240,8 @@ class StaticDecoder(HostDecoder):
 
     @contextlib.contextmanager
     def steady(self, on: bool = True):
-        """Within the block (when `on`), the caller runs no code of its own user's between steps
-        (`generate` without a streamer): no weight can change, so each kind of step checks the
-        weights (`_follow_weights`) once, at its first call."""
+        """Within the block (when `on`), the caller runs none of its user's code between steps,
+        so each kind of step checks the weights (`_follow_weights`) once, at its first call."""
         held = self._held
         self._held = set() if on else None
         try:
@@ -303,12 +251,10 @@ class StaticDecoder(HostDecoder):
 
 
 def _layout(t: torch.Tensor) -> tuple:
-    """What a compiled step's code assumes of a tensor it reads: shape, strides, dtype, device,
-    and its data's alignment to Inductor's 16 bytes."""
+    """What a compiled step assumes of a tensor: shape, strides, dtype, device, 16-byte alignment."""
     return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
 
 
 def _stamps(weights: list) -> list:
-    """Each weight's version counter and data pointer (one list: cheaper per step than a call
-    per module)."""
+    """Each weight's version counter and data pointer."""
     return [(w._version, w.data_ptr()) for w in weights]

@@ -1,11 +1,6 @@
 """Decoders by backend name (`backends.TABLE`), shared by `generate`, `eval`, `bench-speculative`
-and `serve`.
-
-`eager` and `compiled` are `StaticDecoder`s, `compiled-int8` and `compiled-int4` compiled ones with
-weight-only quantized linear layers (`quantized.py`); `pte`, `pte-int8`, `pte-8da4w`, `onnx`,
-`onnx-int8` and `onnx-int4` export the model into a temporary directory (removed by the caller's
-`ExitStack`) and load the artifact, so a user can check an export or a quantization end to end
-from one command.
+and `serve`. Torch backends are `StaticDecoder`s; export backends export the model into a
+temporary directory (removed by the caller's `ExitStack`) and load the artifact.
 """
 
 import contextlib
@@ -29,10 +24,8 @@ def make_decoder(model, backend: str, prefill_chunk: int, stack: contextlib.Exit
         stack: owns the temporary directory of an export backend.
         eos_token_id, bos_token_id: stored in an exported program (and used by `generate`).
         batch_size: rows per step (`shram-static serve` runs one request per row).
-        verify_len: tokens of the verify step (speculative decoding), written into an exported
-            artifact; None: none in an export, the default (5) for eager and compiled.
-        full_logits: an export's prefill step returns every token's logits (what `eval`
-            scores), not only each row's last token's (what generation reads; faster).
+        verify_len: tokens of the verify step; None: none in an export, the default for torch.
+        full_logits: an export's prefill step returns every token's logits (what `eval` scores).
 
     Returns:
         A `HostDecoder` (`prefill`, `decode`, `reset`, `generate`).

@@ -1,9 +1,7 @@
 """The built-in model: a small byte-level SHRAM trained on Shakespeare, shipped as package data.
 
-`shram_static/builtin/` holds its checkpoint (`config.json` + `model.safetensors`, bf16
-weights, loaded as fp32), the record of the training run (`train_log.json`) and its loss curve
-(`loss.png`). It was made by `shram-static train` (see the README, "Training and evaluation")
-and copied here with `shram_static.train.write_builtin`.
+`shram_static/builtin/` holds its checkpoint (bf16 weights, loaded as fp32), `train_log.json`
+and `loss.png`, made by `shram-static train` and copied there by `train.write_builtin`.
 """
 
 import os
@@ -16,9 +14,7 @@ BUILTIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin"
 
 
 def default_config() -> ShramConfig:
-    """The built-in model's config: byte vocabulary (259), d=160, 4 layers, 4 local heads,
-    4 expert heads of which each token selects 2, window 32, trained on 256-byte windows,
-    context 1024 (YaRN-extended sparse path)."""
+    """The built-in model's config (byte vocabulary, d=160, 4 layers, context 1024)."""
     return ShramConfig.from_json_file(os.path.join(BUILTIN_DIR, "config.json"))
 
 
@@ -32,19 +28,15 @@ def default_model() -> ShramForCausalLM:
 
 
 def load_model_and_tokenizer(checkpoint: str | None = None, token_ids_only: bool = False):
-    """(model, tokenizer) for a checkpoint directory, or the built-in model and the byte
-    tokenizer when `checkpoint` is None.
-
-    A checkpoint directory with a `tokenizer.json` uses it; otherwise the byte tokenizer, which
-    must cover the model's vocabulary (259 tokens).
+    """(model, tokenizer) of a checkpoint directory (`load_tokenizer`), or of the built-in model.
 
     Args:
-        checkpoint: a checkpoint directory, or None for the built-in model.
+        checkpoint: a checkpoint directory, or None for the built-in model and byte tokenizer.
         token_ids_only: no tokenizer at all (`TokenIdsOnly`): a model served by token ids.
 
     Raises:
-        FileNotFoundError, CheckpointError (a ValueError), ValueError: a directory that cannot
-        be loaded, or whose tokenizer does not cover the model's vocabulary.
+        FileNotFoundError, CheckpointError, ValueError: a directory that cannot be loaded, or
+        whose tokenizer does not cover the model's vocabulary.
     """
     model = default_model() if checkpoint is None else ShramForCausalLM.from_pretrained(checkpoint)
     if token_ids_only:

@@ -1,8 +1,5 @@
-"""The package's own exceptions, each a `ValueError` a caller can catch by name.
-
-A leaf module (it imports nothing of the package), so every layer raises them without
-importing the layer that documents them.
-"""
+"""The package's own exceptions, each a `ValueError` a caller can catch by name (a leaf module:
+it imports nothing of the package)."""
 
 
 class CapacityError(ValueError):
@@ -19,14 +16,12 @@ class ExportFormatError(ValueError):
 
 
 class NonFiniteLogitsError(ValueError):
-    """A step produced NaN or Inf logits for a live token (bad weights, or an overflow in a low
-    precision dtype); nothing was sampled from them. The step had run: the decoder holds its
-    tokens (`live_counts` counts them); `reset()` or `reset_rows` starts over.
+    """A step produced NaN or Inf logits for a live token; nothing was sampled. The step had run
+    (the decoder holds its tokens); `reset()` or `reset_rows` starts over.
 
     Attributes:
         rows: the rows with a non-finite logit at a live token.
-        logits: the step's logits; the other rows' are valid (a server ends only the bad
-            rows' requests and samples the others' next tokens from them).
+        logits: the step's logits; the other rows' are valid.
     """
 
     def __init__(self, message: str, rows=(), logits=None):

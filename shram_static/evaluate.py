@@ -21,16 +21,9 @@ from .console import info, positive_int
 
 
 def read_text_bytes(path, max_bytes: int | None = None) -> bytes:
-    """The UTF-8 bytes of a text file, checked before any model work.
-
-    Args:
-        path: a UTF-8 text file.
-        max_bytes: keep only the first `max_bytes` bytes (after checking the whole file).
-
-    Raises:
-        FileNotFoundError / IsADirectoryError: no such file.
-        ValueError: an empty file, or one that is not valid UTF-8 (the offset is named).
-    """
+    """The UTF-8 bytes of a text file (the first `max_bytes`, the whole file checked), checked
+    before any model work: FileNotFoundError / IsADirectoryError, or ValueError when empty or
+    not UTF-8."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise IsADirectoryError(f"--text {path!r} is a directory; give a UTF-8 text file")
@@ -62,8 +55,7 @@ def score_bytes(decoder, data: bytes, window: int | None = None, progress: bool 
         progress: show a tqdm bar on stderr.
 
     Returns:
-        dict with bytes, windows, window, nll (nats per byte), bits_per_byte, perplexity
-        (per byte, exp(nll)).
+        dict with bytes, windows, window, nll (nats per byte), bits_per_byte, perplexity.
     """
     import torch
     from tqdm import tqdm
@@ -103,8 +95,7 @@ def evaluate(text, checkpoint=None, backend: str = "eager", max_bytes: int | Non
 
     Args:
         text: path of a UTF-8 text file.
-        checkpoint: checkpoint directory, or None for the built-in model. Its tokenizer must be
-            the byte tokenizer (no tokenizer.json): the score is per byte.
+        checkpoint: checkpoint directory (byte tokenizer only), or None for the built-in model.
         backend: one of `BACKENDS` (export backends build into a temporary directory).
         max_bytes: score only the first N bytes.
         window: bytes per window (default the capacity).
@@ -115,8 +106,7 @@ def evaluate(text, checkpoint=None, backend: str = "eager", max_bytes: int | Non
         `score_bytes`' dict plus backend, checkpoint, text and seconds.
 
     Raises:
-        FileNotFoundError, ValueError (incl. CheckpointError): bad text, checkpoint or option,
-        before any model work.
+        FileNotFoundError, ValueError (incl. CheckpointError): bad text, checkpoint or option.
     """
     from .default_model import load_model_and_tokenizer
     from .tokenizer import ByteTokenizer

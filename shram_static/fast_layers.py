@@ -1,15 +1,6 @@
-"""Fast-path layers, and the swaps that put them in place of the layers of `layers.py`.
-
-Each swap is a source transformation on a copy of the model (as in ExecuTorch's llama example):
-the model a caller hands in is never changed.
-
-* `row_linear_` (the compiled steps on CPU, up to FEW_ROWS rows per batch): every bias-free
-  `nn.Linear` becomes a `RowLinear` over the same weight (and a packed copy of it), every `BEA`
-  a `RowExperts` (its q, k and v experts side by side in a copy of their own), and every
-  `Router` a `FusedRouter` (its logits and top-k in forms Inductor fuses), on a `shared_copy`.
-* `fuse_experts_` (the exported steps, and quantization): every `BEA` becomes a `FusedExperts`,
-  every expert as one linear layer each way, on a copy that owns its weights.
-"""
+"""Fast-path layers, swapped in for those of `layers.py` on a copy of the model: `row_linear_` for
+the compiled steps on CPU (`RowLinear`, `RowExperts`, `FusedRouter`), `fuse_experts_` for the
+exported steps (`FusedExperts`). See docs/design.md, "How each backend runs the step"."""
 
 import copy
 
@@ -25,11 +16,7 @@ LANES = 16  # outputs per block of RowLinear's packed weight
 
 
 def shared_copy(model: nn.Module) -> nn.Module:
-    """A copy of the module tree that shares every parameter and buffer with `model`.
-
-    A decoder swaps modules on this copy, so the model it was given never changes and the
-    weights are held once.
-    """
+    """A copy of the module tree sharing every parameter and buffer with `model` (to swap modules on)."""
     memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
     return copy.deepcopy(model, memo)
 
@@ -37,19 +24,10 @@ def shared_copy(model: nn.Module) -> nn.Module:
 class RowLinear(nn.Module):
     """`nn.Linear` (no bias) for the compiled steps on CPU.
 
-    Up to FEW_ROWS rows it reads its own copy of the weight, packed in blocks of LANES outputs
-    (`pack_rows`): per row, a broadcast product with the packed weight summed over the input
-    width (accumulated in fp32). Inductor vectorizes each block's LANES outputs and runs the n
-    rows' sums in one loop over the input width, one vector accumulator per row: a single
-    contiguous pass over the weight with n multiply-adds per weight read and no horizontal
-    reduction. WHY: a decode step is GEMVs, and MKL's GEMV reads the weight well below the
-    machine's read bandwidth; at a few rows MKL's sgemm re-reads W per row, and per-row dot
-    products over the row-major weight (one horizontal reduction per output and row) take
-    1.1-1.4x this layout's time at 1-8 rows (docs/performance.md, "Compiled torch";
-    benchmarks/row_linear.py). More rows (prefill) go to F.linear on the shared weight.
-
-    The packed copy does not follow the weight by itself: `repack()` after the weight changed
-    (`StaticDecoder` checks before each step).
+    Up to FEW_ROWS rows, a broadcast product with its own copy of the weight packed in blocks of
+    LANES outputs (`pack_rows`), summed in fp32: one contiguous pass, one vector accumulator per
+    row. WHY: MKL's GEMV reads the weight well below bandwidth (docs/performance.md, "Compiled
+    torch"). More rows go to F.linear. `repack()` after the weight changed.
 
     Args:
         weight: (out, in), shared with the module it replaces (never changed).
@@ -66,8 +44,7 @@ class RowLinear(nn.Module):
         return [self.weight]
 
     def repack(self) -> None:
-        """Packs the weight again: into the same buffer where its dtype and shape allow (a
-        compiled step keeps reading it), else as a new buffer."""
+        """Packs the weight again (into the same buffer where `_refill` can)."""
         _refill(self, "packed", pack_rows(self.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,10 +62,7 @@ class RowLinear(nn.Module):
 
 
 def pack_rows(weight: torch.Tensor) -> torch.Tensor:
-    """(out, in) -> (ceil(out / LANES), in, LANES), a new contiguous tensor in weight's dtype:
-    block b holds outputs b*LANES.. (zero rows pad the last block), input-major.
-
-    LANES is 16, one AVX-512 vector of fp32 (two AVX2 vectors: two accumulators per row)."""
+    """(out, in) -> (ceil(out / LANES), in, LANES): block b holds outputs b*LANES.., zero-padded."""
     N, K = weight.shape
     nb = -(-N // LANES)
     wp = weight.detach().new_zeros(nb * LANES, K)
@@ -97,18 +71,10 @@ def pack_rows(weight: torch.Tensor) -> torch.Tensor:
 
 
 class RowExperts(BEA):
-    """`BEA` for the compiled steps on CPU: the same expert weights (shared), and its own copy of
-    q, k and v side by side, (L, d, 3u), that `project` reads.
+    """`BEA` for the compiled steps on CPU, with its own copy of q, k and v side by side (L, d, 3u).
 
-    `project` gathers each token's K experts' (d, 3u) blocks and sums h times them over d,
-    accumulated in fp32: Inductor then runs each block's 3u outputs as vectors over contiguous
-    weights. WHY: `BEA.project`'s einsum becomes a batched matmul over K*u columns, and Inductor
-    loads each vector of it lane by lane (an index divided and taken modulo u per lane): 19% of
-    the built-in model's verify step's samples (benchmarks/kernel_loops.py --step verify, 7%
-    with this layout; docs/performance.md, "Compiled torch"). Everything else is `BEA`'s.
-
-    The copy does not follow the weights by itself: `repack()` after one changed
-    (`StaticDecoder` checks before each step).
+    `project` sums h times each token's K gathered (d, 3u) blocks in fp32, vectorized over contiguous
+    weights (Inductor loads `BEA.project`'s einsum lane by lane). `repack()` after a weight changed.
 
     Args:
         bea: the `BEA` whose weights it shares (not changed).
@@ -128,15 +94,12 @@ class RowExperts(BEA):
         return torch.cat([w.detach() for w in self.sources], dim=-1).contiguous()  # (L, d, 3u)
 
     def repack(self) -> None:
-        """Copies the weights again: into the same buffer where dtype and shape allow."""
+        """Copies the weights again (into the same buffer where `_refill` can)."""
         _refill(self, "qkv", self._pack())
 
     def project(self, h: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """See `BEA.project`. Up to FEW_ROWS tokens per row (decode, verify), each token's K
-        blocks; more (a prefill chunk), every expert as one batched matmul, each token's K
-        outputs then picked: the weights read once per chunk instead of once per token. Per row,
-        not per batch: at four rows of a 5-token verify step the batched matmul was 1.08x
-        (built-in model) and 1.02x (bench) the blocks' time."""
+        """See `BEA.project`. Over FEW_ROWS tokens per row (prefill), every expert as one batched
+        matmul and each token's K outputs picked: the weights read once per chunk."""
         B, C, d = h.shape
         u = self.q_proj.shape[-1]
         if C > FEW_ROWS:
@@ -150,8 +113,7 @@ class RowExperts(BEA):
 
 
 def _refill(module: nn.Module, name: str, new: torch.Tensor) -> None:
-    """Puts `new` in `module`'s buffer `name`: copied into the old buffer where dtype, shape and
-    device allow (a compiled step keeps reading that one), else as a new buffer."""
+    """Sets buffer `name` to `new`, in place where it fits (a compiled step keeps reading the old one)."""
     old = getattr(module, name)
     if (new.dtype, new.shape, new.device) == (old.dtype, old.shape, old.device):
         with torch.no_grad():
@@ -161,9 +123,8 @@ def _refill(module: nn.Module, name: str, new: torch.Tensor) -> None:
 
 
 class FusedRouter(Router):
-    """`Router` for the compiled steps on CPU over the weight of `router` (shared): its logits as
-    row reductions (as `RowLinear`) and its top-k as ranks (`routing.top_k_ranks`), both fused
-    into the layer's kernel instead of an extern `mm` and an aten `topk` per layer."""
+    """`Router` for the compiled steps on CPU over `router`'s weight: logits as row reductions and
+    top-k as ranks (`routing.top_k_ranks`), fused into the layer's kernel (no extern mm or topk)."""
 
     pick = staticmethod(top_k_ranks)
 
@@ -173,15 +134,13 @@ class FusedRouter(Router):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """See `Router.logits`: rounded to h's dtype as F.linear's output is, then fp32."""
-        # One broadcast reduction, not RowLinear's stack of per-row reductions: for an (L, d)
-        # weight this small, one output buffer beats n row views in the wrapper (the verify step).
+        # one broadcast reduction, not RowLinear's per-row stack: for so small a weight one
+        # output buffer beats n row views in the wrapper
         return (h.float()[..., None, :] * self.routing_weight.float()).sum(-1).to(h.dtype).float()
 
 
 def row_linear_(model: nn.Module) -> nn.Module:
-    """Replaces every bias-free nn.Linear of `model` (and a tied lm_head) by a `RowLinear` over
-    the same weight, every `BEA` by a `RowExperts` and every `Router` by a `FusedRouter`, in
-    place; returns `model`. Use on a `shared_copy`."""
+    """Swaps in `RowLinear`, `RowExperts` and `FusedRouter`, in place on a `shared_copy`; returns it."""
     for m in model.modules():
         if isinstance(m, MoSRAH):
             m.router = m.router if isinstance(m.router, FusedRouter) else FusedRouter(m.router)
@@ -190,11 +149,10 @@ def row_linear_(model: nn.Module) -> nn.Module:
 
 
 def swap_linears_(model: nn.Module, layer) -> nn.Module:
-    """Replaces, in place, every bias-free `nn.Linear` of `model` by `layer(weight)`, and a tied
-    lm_head (None: the head reads the embedding table) by `layer(embedding weight)`.
+    """Replaces, in place, every bias-free `nn.Linear` of `model` (and a tied lm_head) by `layer(weight)`.
 
     Args:
-        model: a `ShramForCausalLM` copy (the caller's own model is never passed here).
+        model: a `ShramForCausalLM` copy (never the caller's own model).
         layer: a module class or factory taking the (out, in) weight.
 
     Returns:
@@ -210,16 +168,9 @@ def swap_linears_(model: nn.Module, layer) -> nn.Module:
 
 
 class FusedExperts(nn.Module):
-    """Expert weights in the exported step's layout: every expert as one linear layer each way,
-    `qkv` (d -> L*3u: q, k, v of expert l at rows l*3u..) and `o` (L*u -> d).
-
-    Same interface as `BEA` (`select`, `project`, `output`, `project_all`, `output_all`). WHY every
-    expert instead of the K selected: gathering the selected experts' blocks is a portable copy,
-    per token, of weights the step then reads again, while one linear over all L experts is a
-    single weight read in an XNNPACK delegate, and a token's K results are picked from its small
-    output. It is faster at decode and prefill, fp32 and int8 (its two nn.Linear layers are
-    quantized like every other projection), though it reads L/K times the expert bytes
-    (docs/performance.md, "`.pte`").
+    """Expert weights in the exported step's layout, `BEA`'s interface: every expert as one linear
+    layer each way, `qkv` (d -> L*3u: q, k, v of expert l at rows l*3u..) and `o` (L*u -> d).
+    See docs/design.md, "Why the expert weights have two layouts".
 
     Args:
         bea: the `BEA` whose weights it takes (copied into the fused layout; not kept).
@@ -241,10 +192,7 @@ class FusedExperts(nn.Module):
         self.register_buffer("experts", torch.arange(L, device=like["device"]), persistent=False)
 
     def select(self, idx: torch.Tensor, hot: torch.Tensor | None = None) -> torch.Tensor:
-        """The selection `project` and `output` take: idx (B, C, K) -> one-hot (B*C, K, L) float,
-        1 at each selected expert (made once per layer: its == and cast are portable ops);
-        `hot`, that one-hot if the caller has made it already (the prefill step does), is taken
-        as it is."""
+        """idx (B, C, K) -> one-hot (B*C, K, L) float, made once per layer; `hot`, one already made."""
         if hot is not None:
             return hot
         B, C, K = idx.shape
@@ -257,8 +205,7 @@ class FusedExperts(nn.Module):
         B, C, _ = h.shape
         K, u, L = sel.shape[1], self.head_dim, self.num_experts
         y = self.qkv(h).view(B * C, L, 3 * u)  # (BC, L, 3u) every expert
-        # the selected rows as a one-hot batched matmul (in the delegate; a gather would need
-        # its index expanded to the row width, a portable copy). Exact: one 1 per row.
+        # selected rows by a one-hot bmm, exact and in the delegate (a gather is a portable copy)
         y = torch.bmm(sel, y).view(B, C, K, 3, u)
         return y[..., 0, :], y[..., 1, :], y[..., 2, :]
 
@@ -266,8 +213,7 @@ class FusedExperts(nn.Module):
         """sum_k P_k y_k o_proj[idx_k]: y (B, C, K, u), P (B, C, K), sel (`select`) -> (B, C, d)."""
         B, C, K, u = y.shape
         L = self.num_experts
-        # each token's weighted outputs at its experts' rows (a one-hot batched matmul: 0 at
-        # the experts it did not select), then all experts' output projections as one linear
+        # weighted outputs at the token's experts' rows (0 elsewhere), then one linear for all
         z = torch.bmm(sel.transpose(1, 2), (y * P[..., None]).view(B * C, K, u))  # (BC, L, u)
         return self.o(z.view(B, C, L * u))
 
@@ -284,11 +230,8 @@ class FusedExperts(nn.Module):
 
 
 def fuse_experts_(model: nn.Module) -> nn.Module:
-    """Replaces every `BEA` of `model` by a `FusedExperts`, in place; returns `model`.
-
-    Use on a model copy that owns its weights (an export copy): the fused weights are new, and
-    the replaced `BEA` tensors are dropped with it.
-    """
+    """Replaces every `BEA` of `model` (a copy that owns its weights) by a `FusedExperts`, in place;
+    returns `model`."""
     for m in model.modules():
         if isinstance(m, MoSRAH) and not isinstance(m.bea, FusedExperts):
             m.bea = FusedExperts(m.bea)

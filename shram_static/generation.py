@@ -1,14 +1,9 @@
 """transformers `generate()` on the static SHRAM state: the model-side hooks of `GenerationMixin`.
 
-`ShramForCausalLM` inherits `ShramGenerationMixin`, which overrides the few hooks that assume
-head-shaped, growing key/value caches (transformers 5.x generation internals):
-- `_prepare_cache_for_generation`: builds a `ShramCache` (never a Dynamic/StaticCache), checks
-  a user-supplied one, and checks capacity before anything runs;
-- `prepare_inputs_for_generation`: hands the forward only the mask columns of the new tokens,
-  as a fresh contiguous bool tensor (never the growing 2-D mask, never a 4-D mask);
-- `_validate_generation_mode`: rejects unsupported modes up front (assisted and prompt-lookup
-  decoding run: `ShramCache.crop` forgets rejected draft tokens exactly);
-- `get_compiled_call`: transformers' compiled forward, its first compile made faster on CPU.
+`ShramForCausalLM` inherits `ShramGenerationMixin`, which overrides the few hooks (transformers
+5.x) that assume growing key/value caches: it builds or checks a `ShramCache` and the capacity
+before anything runs, hands the forward only the new tokens' mask columns, and rejects
+unsupported generation modes up front.
 """
 
 import sys
@@ -26,21 +21,15 @@ from .validation import check_capacity
 
 
 def default_compile_config() -> CompileConfig:
-    """`generate()`'s compile settings for the decode forward: one static graph, no breaks.
-
-    transformers auto-compiles only on accelerators; on CPU set
-    `model.generation_config.compile_config._compile_all_devices = True` (or pass a config
-    with it to `generate(compile_config=...)`).
-    """
-    # mode "default": transformers' default "reduce-overhead" means CUDA graphs.
+    """`generate()`'s compile settings for the decode forward: one static graph, no breaks (on CPU
+    set `compile_config._compile_all_devices = True`: transformers auto-compiles on accelerators)."""
+    # mode "default": transformers' default "reduce-overhead" means CUDA graphs
     return CompileConfig(fullgraph=True, dynamic=False, mode="default")
 
 
 def _new_token_mask(attention_mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
-    """(B, n) bool live flags of the n new columns, with canonical strides (`rows.canonical`:
-    the compiled decode forward guards on them). A missing mask becomes all True, so calls with
-    and without a mask share one graph.
-    """
+    """(B, n) bool live flags of the n new columns, canonical strides (the compiled forward guards
+    on them); all True without a mask, so calls with and without one share a graph."""
     n = ids.shape[1]
     if attention_mask is None:
         return torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
@@ -50,8 +39,7 @@ def _new_token_mask(attention_mask: torch.Tensor | None, ids: torch.Tensor) -> t
 class ShramGenerationMixin(GenerationMixin):
     """`GenerationMixin` for SHRAM: greedy, sampling and beam search on a `ShramCache`."""
 
-    # Modes that run on the static state (assisted / prompt-lookup decoding roll the cache back
-    # with `ShramCache.crop`); the rest are hub-only recipes.
+    # assisted / prompt-lookup decoding roll the cache back with `ShramCache.crop`
     _supported_generation_modes = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE,
                                    GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE,
                                    GenerationMode.ASSISTED_GENERATION)
@@ -72,10 +60,8 @@ class ShramGenerationMixin(GenerationMixin):
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
     def get_compiled_call(self, compile_config):
-        """transformers' `torch.compile` of the forward (`PreTrainedModel.get_compiled_call`), after
-        `accelerators.prepare_compile` (kernels built in batches, Inductor's vector-ISA check started
-        beside the first trace on CPU), as `StaticDecoder(compile=True)` does (a cold first compiled
-        `generate()` builds its kernels in far less time: docs/performance.md, "Warm-up and export").
+        """transformers' `torch.compile` of the forward, after `accelerators.prepare_compile` (a
+        faster cold compile, as `StaticDecoder(compile=True)`: docs/performance.md, "Warm-up and export").
 
         Args:
             compile_config: `CompileConfig` or None (transformers' default handling).
@@ -159,14 +145,9 @@ class ShramGenerationMixin(GenerationMixin):
 class TextTokenStreamer(BaseStreamer):
     """Writes a single sequence's new text to a stream as tokens are produced.
 
-    A transformers streamer (`generate(..., streamer=...)`, `HostDecoder.generate(...,
-    streamer=...)`): the first `put` is the prompt (skipped), each later one the new token(s);
-    `end()` writes the rest and a newline. Text is written as soon as it is complete: a
-    multi-byte UTF-8 character split over byte tokens is held back until its last byte (the
-    decoded text would end in U+FFFD), never written as replacement characters halfway.
-    Tokens from the first `eos_token_id` on are dropped. What is written in all equals
-    `tokenizer.decode(new tokens before EOS) + "\n"` for any tokenizer whose decoding of a
-    prefix is a prefix of the whole (the byte tokenizer's is).
+    A transformers streamer: the first `put` is the prompt (skipped); `end()` writes the rest and
+    a newline. A UTF-8 character split over byte tokens is held back until complete; tokens from
+    the first `eos_token_id` on are dropped.
 
     Args:
         tokenizer: has `decode(list[int]) -> str`.

@@ -1,12 +1,9 @@
 """Host-side decoding API shared by every backend (eager/compiled torch, ExecuTorch, ONNX).
 
-`HostDecoder` owns everything that happens on the host: input validation (before anything
-runs, so a bad call leaves the state exactly as it was), the live-token and rollback counts of
-each row, splitting prompts into fixed-size chunks, and sampling. A backend implements only
-`_run(tokens, input_pos, live)` for C = 1 (decode) and C = prefill_chunk (prefill), and
-optionally `_run_last` (a chunk's logits at each row's last live token only). Its public
-methods are the whole contract other modules use (docs/design.md, "The decoder contract");
-the generation loops that run on it are in `loops.py` and `speculative.py`.
+`HostDecoder` validates input before anything runs (a bad call leaves the state as it was),
+keeps each row's live and rollback counts and splits prompts into fixed-size chunks; a backend
+implements `_run` (C = 1 or prefill_chunk) and optionally `_run_last`. Its public methods are
+the decoder contract (docs/design.md, "The decoder contract"); the loops are in `loops.py`.
 """
 
 import numpy as np
@@ -22,18 +19,14 @@ __all__ = ["CapacityError", "HostDecoder"]
 
 
 def _check_finite(logits: torch.Tensor, live: torch.Tensor) -> None:
-    """Raises NonFiniteLogitsError if the logits (B, C, V) of a live token (live (B, C)) hold a
-    NaN or an Inf. WHY: sampling from them would silently emit token 0 (argmax of NaN) forever.
-    The step has run (its state holds the token); `reset()` or `reset_rows` starts over."""
+    """Raises NonFiniteLogitsError where a live token's logits hold a NaN or an Inf (WHY:
+    sampling them would emit token 0, the argmax of NaN, forever)."""
     if logits.device.type == "cpu":
-        # WHY numpy on CPU: torch's isfinite over (B, C, V) opens an OpenMP parallel region whose
-        # workers then spin on the core the next step's runtime (onnxruntime, XNNPACK) needs;
-        # numpy checks the same on one thread.
+        # WHY numpy on CPU: torch's isfinite opens an OpenMP parallel region whose workers then
+        # spin on the core the next step's runtime (onnxruntime, XNNPACK) needs.
         a = (logits.detach() if logits.requires_grad else logits)
         a = (a if a.dtype == torch.float32 else a.float()).numpy()
-        # this runs after every step: one sum first, finite exactly when every value is (a NaN
-        # or an Inf makes it NaN or infinite); only a sum that is not (or that overflowed) is
-        # looked at value by value
+        # one sum first (finite exactly when every value is); only a non-finite one is searched
         if np.isfinite(a.sum()):
             return
         fin = torch.from_numpy(np.isfinite(a).all(-1))  # (B, C)
@@ -68,13 +61,12 @@ class HostDecoder:
         self.prefill_chunk = prefill_chunk
         self.capacity = config.inference_sequence_length
         self.eos_token_id = eos_token_id
-        self._counts = RowCounts(batch_size)  # live tokens per row, tokens each row can forget now
-        # Rollback (a backend sets both after this): the most tokens a row can forget at once
-        # (0: none), and the verify step's tokens per row (None: verify runs as prefill).
+        self._counts = RowCounts(batch_size)
+        # a backend sets these: the most tokens a row can forget at once (0: none), the verify
+        # step's tokens per row (None: verify runs as prefill), and False where the prefill step
+        # returns only each row's last live token's logits (an export without full_logits)
         self.rollback_limit = 0
         self.verify_len: int | None = None
-        # False: the prefill step returns each row's last live token's logits only (an export
-        # written without full_logits); prefill and step then run with last_only alone.
         self.full_logits = True
 
     # -- backend hooks --------------------------------------------------------------
@@ -83,10 +75,7 @@ class HostDecoder:
         raise NotImplementedError
 
     def _run_last(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """Optional: as `_run` for a prefill chunk (C = prefill_chunk, the only width it is
-        called with), but only the logits at each row's last live token, (B, 1, V) (any for a
-        row without one). A backend with a step that computes only those overrides it; this one
-        selects them from `_run`'s."""
+        """`_run` of a prefill chunk, only each row's last live token's logits (B, 1, V)."""
         lg = self._run(tokens, input_pos, live)  # (B, C, V)
         return lg[torch.arange(tokens.shape[0]), last_live(live.cpu()).to(lg.device)][:, None]
 
@@ -109,12 +98,10 @@ class HostDecoder:
         """Appends tokens to every row and returns their logits.
 
         Args:
-            input_ids: (B, N) token ids, any N >= 1 within capacity; run as ceil(N / C)
-                fixed-size chunks, the last padded with dead tokens.
-            attention_mask: (B, N) 1 live / 0 dead (dead tokens are no-ops). Default all live.
-            last_only: return only each row's logits at its last live token, what generation
-                needs (like transformers' `logits_to_keep=1`): the full (B, N, V) tensor of a
-                2000-token prompt at batch 4 with a 50k vocabulary is 1.6 GB.
+            input_ids: (B, N) token ids, N >= 1 (run as C-token chunks, the last padded).
+            attention_mask: (B, N) 1 live / 0 dead (dead tokens are no-ops); default all live.
+            last_only: return only each row's logits at its last live token (what generation
+                needs, like transformers' `logits_to_keep=1`).
 
         Returns:
             (B, N, V) float logits (unspecified at dead positions), or (B, V) with `last_only`
@@ -122,8 +109,7 @@ class HostDecoder:
 
         Raises:
             TypeError, ValueError, CapacityError before running anything (state unchanged);
-            ValueError without `last_only` on an export whose prefill step returns the last
-            token's logits only (`full_logits` False).
+            ValueError without `last_only` where `full_logits` is False.
         """
         if not isinstance(last_only, bool):
             raise TypeError(f"last_only must be a bool, got {type(last_only).__name__}")
@@ -171,15 +157,11 @@ class HostDecoder:
 
     # -- rollback and verification (speculative decoding) ----------------------------
     def rollback(self, n) -> None:
-        """Forgets the last n tokens of each row, exactly: every later logit equals that of a
-        decoder that was never fed them.
-
-        Only the host's live count moves (see `state.py`): a row can forget up to
-        `rollback_limit` tokens, fewer right after a rollback (until that many more were fed).
+        """Forgets the last n tokens of each row, exactly (up to `rollback_limit`, fewer right
+        after a rollback).
 
         Args:
-            n: an int (every row) or a (B,) integer tensor / sequence (per row), each
-                0 <= n[b] <= `rollbackable[b]`.
+            n: an int (every row) or a (B,) integer tensor / sequence, 0 <= n[b] <= `rollbackable[b]`.
 
         Raises:
             TypeError, ValueError: a bad n, or more than a row can forget (nothing changed).
@@ -192,8 +174,7 @@ class HostDecoder:
         t = t.long().cpu().expand(self.batch_size) if t.dim() == 0 else t.long().cpu()
         if t.shape != (self.batch_size,):
             raise ValueError(f"n must be an int or have shape ({self.batch_size},), got {tuple(t.shape)}")
-        # The checks on Python ints: B is small, and each torch op on a (B,) tensor costs more
-        # than the loop (a rollback follows every verify step of speculative decoding).
+        # Python ints: each torch op on a (B,) tensor costs more than the loop over a small B
         want, can = t.tolist(), self.rollbackable.tolist()
         if min(want) < 0:
             raise ValueError(f"n must be >= 0, got {want}")
@@ -216,21 +197,19 @@ class HostDecoder:
         return self._counts.rollbackable
 
     def verify(self, ids: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
-        """Feeds n <= `verify_len` tokens per row in one fixed-shape step (n = k + 1: the last
-        accepted token and k guesses) and returns their logits; roll the rejected tail back
-        with `rollback`. Without a verify step (`verify_len` None) the tokens run as `prefill`,
-        which on an export needs `full_logits` (a ValueError otherwise).
+        """Feeds n <= `verify_len` tokens per row in one step and returns their logits (roll
+        the rejected tail back with `rollback`); without a verify step they run as `prefill`.
 
         Args:
             ids: (B, n) token ids.
-            active: (B, n) bool, live tokens (default all); a row's live tokens are appended in
-                column order.
+            active: (B, n) bool, live tokens (default all), appended in column order.
 
         Returns:
             (B, n, V) float logits (unspecified at dead tokens).
 
         Raises:
-            TypeError, ValueError, CapacityError before running anything (state unchanged).
+            TypeError, ValueError, CapacityError before running anything (state unchanged);
+            ValueError without a verify step where `full_logits` is False.
         """
         n = self.verify_len or self.prefill_chunk
         if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > n:
@@ -246,13 +225,10 @@ class HostDecoder:
 
     # -- the unchecked contract (speculative decoding, generation loops, benchmarks) ----
     def feed(self, ids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """`decode` (n = 1) or `verify` (1 < n <= verify_len) of tokens the caller vouches for,
-        without the public methods' input checks.
+        """`decode` (n = 1) or `verify` (1 < n <= verify_len) without the input checks.
 
-        For a loop that feeds back tokens it picked from this decoder's own logits, within a
-        capacity it checked up front (`generate`, `speculative.py`). WHY unchecked: the
-        public methods' checks (a dozen small torch ops, each 3-8 us) cost about a tenth of a
-        small model's step.
+        For a loop that feeds back tokens picked from this decoder's own logits within a
+        capacity it checked up front. WHY: the checks cost a visible share of a small model's step.
 
         Args:
             ids: (B, n) int64 token ids in the vocabulary, on the CPU.
@@ -269,18 +245,12 @@ class HostDecoder:
         return (lg if lg.shape[1] == n else lg[:, :n]).float().cpu()
 
     def forget(self, n: torch.Tensor) -> None:
-        """`rollback` without its checks: n (B,) int64 tokens per row, each at most what the row
-        can forget now (`rollbackable`), e.g. the rejected guesses of the verify step just run."""
+        """`rollback` without its checks: n (B,) int64, each at most `rollbackable`."""
         self._counts.forget(n)
 
     # -- per-row lifecycle (continuous batching) --------------------------------------
     def reset_rows(self, rows) -> None:
-        """Starts the given rows afresh (position 0); every other row keeps its state.
-
-        Nothing is cleared: the next step hands these rows position 0, and a step reads only
-        what a row wrote since its own position 0. A row is freed by simply not marking its
-        tokens live again (dead tokens are no-ops), so a finished row costs nothing until it is
-        reset for the next sequence.
+        """Starts the given rows afresh (position 0, nothing cleared); other rows keep their state.
 
         Args:
             rows: a row index, or a sequence / 1-D integer tensor of them, each in [0, B).
@@ -293,16 +263,13 @@ class HostDecoder:
             raise TypeError(f"rows must be an int or a sequence of ints, got {rows!r}")
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.batch_size):
             raise ValueError(f"rows must be in [0, {self.batch_size}), got {idx.tolist()}")
-        self._counts.reset(idx.long())  # as `reset`: nothing of the new sequence to forget yet
+        self._counts.reset(idx.long())
 
     def warm_up(self, kinds=("decode", "prefill_last")) -> None:
-        """Runs each kind of step once ahead of use on dead tokens, which change no state: a
-        loaded program pays its first calls here (`StaticDecoder` compiles its steps, and has
-        every kind of step).
+        """Runs each kind of step once ahead of use, on dead tokens (no state changes).
 
         Args:
-            kinds: "decode" (one token per row) and "prefill_last" (a prompt chunk, the logits
-                of each row's last live token).
+            kinds: "decode" and/or "prefill_last" (a prompt chunk, last live token's logits).
 
         Raises:
             ValueError: another kind.
@@ -317,20 +284,12 @@ class HostDecoder:
             self.step(torch.zeros(B, C, dtype=torch.long), torch.zeros(B, C, dtype=torch.bool), last_only=True)
 
     def step(self, input_ids: torch.Tensor, live: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
-        """Runs one fixed-shape step: each row advances by its own number of live tokens.
-
-        The building block of continuous batching: one call may carry a prompt chunk for one
-        row, one decode token for each other running row and nothing (all dead) for idle rows.
-        Only the two compiled shapes exist, so no mix of rows ever recompiles. A row's logits
-        depend only on its own tokens (rows never mix).
+        """Runs one fixed-shape step (continuous batching): each row advances by its own live tokens.
 
         Args:
-            input_ids: (B, C) token ids with C = 1 (the decode step) or C = prefill_chunk
-                (the prefill step); any id in the vocabulary at dead tokens.
-            live: (B, C) bool / 0-1, which tokens are live; a row's live tokens are appended
-                in column order after the tokens it already holds.
-            last_only: return only each row's logits at its last live token, (B, 1, V): all
-                a server needs, and the lm_head then reads its weight for B rows, not B x C.
+            input_ids: (B, C) token ids, C = 1 or prefill_chunk; any id in the vocabulary at dead tokens.
+            live: (B, C) bool / 0-1, which tokens are live, appended in column order.
+            last_only: return only each row's logits at its last live token, (B, 1, V).
 
         Returns:
             (B, C, V) float logits (unspecified at dead tokens), or (B, 1, V) with `last_only`
@@ -338,8 +297,7 @@ class HostDecoder:
 
         Raises:
             TypeError, ValueError, CapacityError before running anything (state unchanged);
-            ValueError for a prompt chunk without `last_only` on an export whose prefill step
-            returns the last token's logits only (`full_logits` False).
+            ValueError for a prompt chunk without `last_only` where `full_logits` is False.
         """
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
@@ -362,10 +320,7 @@ class HostDecoder:
     generate = loops.generate  # the generation loops (plain, sampled, speculative)
 
     def _call(self, tokens: torch.Tensor, live: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """Runs one step of tokens (B, C) with live (B, C) (CPU, checked) after each row's live
-        tokens, advances both counters by the live tokens, then checks the logits (which the
-        step has produced either way: its state holds the tokens). Returns `_run`'s logits (or
-        `_run_last`'s with `last_only`)."""
+        """Runs one checked step, advances the counts (the state holds the tokens), checks the logits."""
         out = (self._run_last if last_only else self._run)(canonical(tokens), self._counts.live, canonical(live))
         self._counts.fed(live.sum(1), self.rollback_limit)
         _check_finite(out, live.any(1, keepdim=True) if last_only else live)

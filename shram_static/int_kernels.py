@@ -1,24 +1,13 @@
 """Integer dot-product linears on CPU: the torch operators `shram_static::int4_linear` and
 `shram_static::int8_linear` (csrc/int_linear.cpp), and the weight layout they read.
 
-Each input row is quantized once per call to int8 in blocks of BLOCK inputs (one float scale
-per block, llama.cpp's q8_0), multiplied by 4-bit or 8-bit weights with one fp16 scale per
-block of BLOCK inputs of an output (q4_0 / q8_0), each block's products summed in int32.
-Paths: AVX-512 VNNI, AVX2 and portable C++, picked per call by the CPU's features; the float
-arithmetic is the same sequence on every path, so they give the same results.
-
-The C++ is built at first use by torch's extension loader (`torch.utils.cpp_extension.load`,
-cached in torch's extension directory, one status line while it builds), as Inductor builds its
-own kernels. Where that fails (no compiler), `load` warns once and the layers take their float
-path. Each op has a fake implementation, so a step calling it compiles with `fullgraph=True`;
-Inductor calls it as an external kernel.
-
-`SHRAM_STATIC_INT_KERNELS` (read once, at the first `load`): unset or `auto`, the best path;
-`portable`, `avx2` or `avx512_vnni`, that path; `off`, the layers' float path.
+Each input row is quantized per call to int8 per block of BLOCK inputs (q8_0), times 4- or 8-bit
+weights with an fp16 scale per block (q4_0 / q8_0), summed in int32; AVX-512 VNNI, AVX2 and
+portable paths give the same results. The C++ is built at first use (`load`, cached in torch's
+extension directory); where that fails the layers take their float path. `SHRAM_STATIC_INT_KERNELS`:
+unset or `auto`, the best path; `portable`, `avx2` or `avx512_vnni`; `off`, the float path.
 """
-
 import hashlib
-import logging
 import os
 import sys
 import warnings
@@ -26,6 +15,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from .console import quiet_loggers
 
 BLOCK = 32  # inputs per scale, of the activations and of the weights
 LANES = 16  # outputs per block of the packed weight
@@ -36,15 +27,16 @@ SOURCE = Path(__file__).parent / "csrc" / "int_linear.cpp"
 CFLAGS = ["/O2", "/fp:precise"] if sys.platform == "win32" else ["-O3", "-ffp-contract=off"]
 
 ISA: int | None = None  # after `load`: the op's `isa` argument for the layers, or None (float path)
-_loaded: bool | None = None  # whether `load` has run in this process (and its result)
-_faked: set[str] = set()  # the ops whose fake implementation is registered
+_loaded: bool | None = None  # `load`'s result, None before it ran
+_faked: set[str] = set()  # ops with a fake implementation registered
 
 
 def parse_isa(value: str | None) -> int | None:
     """The `isa` code an `ENV` value asks for: 0 (best) for None/""/"auto", None for "off".
 
     Raises:
-        ValueError: an unknown value."""
+        ValueError: an unknown value.
+    """
     value = (value or "auto").strip().lower()
     if value == "auto":
         return 0
@@ -62,19 +54,13 @@ def build(loader=None) -> bool:
         loader: `torch.utils.cpp_extension.load` or a stand-in with its signature.
 
     Returns:
-        True when the operators are registered; False, with one warning, where the build or the
-        load failed (the layers then take their float path).
+        True when the operators are registered; False, with one warning, where that failed.
     """
     try:
         if loader is None:
             # WHY quiet: importing the loader logs a warning about CUDA on a CPU-only machine
-            quiet = logging.getLogger("torch.utils.cpp_extension")
-            level = quiet.level
-            quiet.setLevel(logging.ERROR)
-            try:
+            with quiet_loggers("torch.utils.cpp_extension"):
                 from torch.utils import cpp_extension
-            finally:
-                quiet.setLevel(level)
             loader = cpp_extension.load
             root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
         else:
@@ -98,7 +84,7 @@ def build(loader=None) -> bool:
 
 
 def _register_fakes() -> None:
-    """The ops' fake implementations (output shape and dtype), once per process."""
+    """The ops' fake implementations (a step calling them compiles fullgraph), once per process."""
     def fake(x, packed, scale, out_features, isa=0):
         return x.new_empty((*x.shape[:-1], out_features))
 
@@ -109,11 +95,14 @@ def _register_fakes() -> None:
 
 
 def load() -> int | None:
-    """Builds and loads the operators once per process (where `ENV` does not say `off`) and sets
-    `ISA`. Returns `ISA`: the `isa` argument the layers pass, or None (their float path).
+    """Builds and loads the operators once per process (unless `ENV` says `off`) and sets `ISA`.
+
+    Returns:
+        `ISA`: the `isa` argument the layers pass, or None (their float path).
 
     Raises:
-        ValueError: `ENV` holds an unknown value, or names a path this CPU lacks."""
+        ValueError: `ENV` holds an unknown value, or names a path this CPU lacks.
+    """
     global ISA, _loaded
     if _loaded is None:
         want = parse_isa(os.environ.get(ENV))
@@ -136,13 +125,10 @@ def isa_name(code: int) -> str:
 
 def int_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int, bits: int,
                isa: int = 0) -> torch.Tensor:
-    """(..., in) -> (..., out) in x's dtype, through the integer op of `bits` (4 or 8).
+    """(..., in) -> (..., out) in x's dtype, through the integer op of `bits` (4 or 8), on CPU.
 
     Args:
-        x: activations on CPU (computed in float32).
-        packed, scale: the weight as `pack` made it.
-        out_features: the weight's output count.
-        bits: 4 or 8.
+        x, packed, scale, out_features, bits: activations, and the weight as `pack` made it.
         isa: 0 (the CPU's best path) or an `ISAS` code.
     """
     op = torch.ops.shram_static.int4_linear if bits == 4 else torch.ops.shram_static.int8_linear
@@ -159,7 +145,7 @@ def pack(q: torch.Tensor, s: torch.Tensor, bits: int) -> tuple[torch.Tensor, tor
 
     Returns:
         packed (ceil(out / LANES), blocks, 4 or 8, 64) uint8, scale (ceil(out / LANES), blocks,
-        LANES) fp16; padding outputs and inputs are zero weights (padding outputs: scale 0).
+        LANES) fp16; padding is zero weights (and scales).
     """
     N, K = q.shape
     G, nb = s.shape[1], -(-N // LANES)

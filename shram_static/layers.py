@@ -1,8 +1,5 @@
-"""The modules of one SHRAM decoder layer, named as in the checkpoint (docs/design.md, "Checkpoint
-layout"), and their static step over their own caches (docs/design.md, "The step"), reading a
-`StepContext` that `step.py` computes once per step. The fast paths that replace some of these
-modules on a copy of the model are in `fast_layers.py`.
-"""
+"""The modules of one SHRAM decoder layer, named as in the checkpoint, and their static step over
+their own caches, reading a `StepContext` (docs/design.md, "Checkpoint layout", "The step")."""
 
 import math
 from typing import NamedTuple
@@ -23,9 +20,7 @@ class StepMode(NamedTuple):
     """How a static step runs, fixed for each compiled graph or exported program."""
 
     inplace: bool  # write the state buffers in place (False: return new ones, for ONNX)
-    # A few tokens per row (decode, the compiled verify step): attend each token's K experts
-    # through their gathered caches, and do the chunk's prefix sums and small products as fused
-    # reductions (`reductions.small_bmm`); else (prefill) attend expert by expert. Same logits.
+    # a few tokens per row (decode, verify): gathered caches and fused reductions; else by expert
     per_token: bool
 
 
@@ -33,8 +28,7 @@ class StepContext(NamedTuple):
     """What every layer of one static step reads, computed once per step (`step.step`).
 
     B rows of C tokens; H local heads, L experts, K selected, u head width, R ring slots,
-    T sparse slots, W = L/K tokens per routing block.
-    """
+    T sparse slots, W = L/K tokens per routing block."""
 
     live: torch.Tensor  # (B, C) bool
     input_pos: torch.Tensor  # (B,) live tokens before the step
@@ -51,8 +45,8 @@ class StepContext(NamedTuple):
     blocks_done: torch.Tensor  # (B, 1) input_pos // W: tokens each expert held at closed blocks
     head_base: torch.Tensor  # (B, 1, 1) b * L, the row's first (b, l) cache head
     ar_l: torch.Tensor  # arange(L)
-    # (P,) float32 slot numbers of the sparse slots attended: arange(P), P >= every row's live
-    # slots (`prefix_len`); at P = T + 1 the sink too, numbered 2**24 (past every slot: never attended)
+    # (P,) float32 sparse slots attended, arange(P), P >= every row's live slots (`prefix_len`);
+    # at P = T + 1 the sink too, numbered 2**24 (never attended)
     slots: torch.Tensor
     rope: nn.Module  # the model's `RotaryTables` (semantic_sequence: sparse rows at each slot)
     mode: StepMode
@@ -70,19 +64,12 @@ class StepContext(NamedTuple):
 def gather_experts(w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Weights of the selected experts: w (L, a, b), idx (B, C, K) -> (B, C, K, a, b).
 
-    One 1-D index_select over the leading dim, not `w[idx]`: ExecuTorch runs the latter as an
-    element-wise portable index.Tensor, the former as a copy of K contiguous (a, b) blocks, far
-    faster (docs/performance.md, "`.pte`").
-    """
+    A 1-D index_select, not `w[idx]`: ExecuTorch runs that as an element-wise portable index."""
     return w.index_select(0, idx.reshape(-1)).view(*idx.shape, *w.shape[1:])
 
 
 def mix_experts(o_proj: torch.Tensor, y: torch.Tensor, P: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """sum_k P_k y_k o_proj[idx_k]: y (B, C, K, u), P (B, C, K), idx (B, C, K) -> (B, C, d).
-
-    One batched matmul per token over its K experts' stacked (u, d) rows (`bmm`, not `@`: see
-    `masked_attention`).
-    """
+    """sum_k P_k y_k o_proj[idx_k]: y (B, C, K, u), P (B, C, K), idx (B, C, K) -> (B, C, d)."""
     B, C, K, u = y.shape
     wo = gather_experts(o_proj, idx).view(B * C, K * u, -1)  # (BC, K*u, d)
     return torch.bmm((y * P[..., None]).reshape(B * C, 1, K * u), wo).view(B, C, -1)
@@ -136,27 +123,21 @@ class LocalAttention(nn.Module):
 
     def step(self, h: torch.Tensor, local_k: torch.Tensor, local_v: torch.Tensor,
              ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Writes the chunk's keys and values into the ring, then attends over the ring alone.
-
-        Args: h (B, C, d) normed hidden states; local_k, local_v (B*H*(R+1), u) the ring.
-        Returns: (B, C, d) output, and the ring's k and v (the same tensors when in place).
-        """
+        """Writes the chunk's keys and values into the ring (B*H*(R+1), u), then attends over it.
+        h (B, C, d) normed -> (B, C, d) output, and the ring's k and v (the same tensors in place)."""
         B, u = h.shape[0], self.head_dim
         q, k, v = self.qkv(h)  # (B, H, C, u)
         q, k = apply_rope(q, ctx.cos_l, ctx.sin_l), apply_rope(k, ctx.cos_l, ctx.sin_l)
         local_k = write_rows(local_k, ctx.ring_rows, k.reshape(-1, u), ctx.mode.inplace)
         local_v = write_rows(local_v, ctx.ring_rows, v.reshape(-1, u), ctx.mode.inplace)
-        # over all R + 1 rows of a (row, head)'s ring, the sink masked: a slice to the first R
-        # rows would be a copy of the ring in the XNNPACK delegate
-        kr = local_k.view(B, self.num_heads, -1, u)  # (B, H, R+1, u)
-        vr = local_v.view(B, self.num_heads, -1, u)
+        # all R + 1 rows, the sink masked: a slice to R rows is a copy in the XNNPACK delegate
+        kr, vr = (c.view(B, self.num_heads, -1, u) for c in (local_k, local_v))  # (B, H, R+1, u)
         y = masked_attention(q, kr, vr, ctx.local_bias, 1 / math.sqrt(u), ctx.local_seen, ctx.mode.per_token)
         return self.out(y), local_k, local_v
 
 
 class Router(nn.Module):
-    """The MoSRAH router's weight (L, d): its logits, and the top-k it selects with
-    (`FusedRouter` replaces both in the compiled steps)."""
+    """The MoSRAH router's weight (L, d): its logits and top-k (`FusedRouter` in compiled steps)."""
 
     pick = staticmethod(top_k)
 
@@ -186,8 +167,7 @@ class BEA(nn.Module):
         self.o_proj = nn.Parameter(torch.empty(L, u, d))
 
     def select(self, idx: torch.Tensor, hot: torch.Tensor | None = None) -> torch.Tensor:
-        """The selection `project` and `output` take: the expert indices idx (B, C, K) as they are
-        (`FusedExperts.select` takes or makes their one-hot form `hot`, unused here)."""
+        """The selection `project` and `output` take: idx (B, C, K) itself (`hot` is unused here)."""
         return idx
 
     def project(self, h: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -196,8 +176,7 @@ class BEA(nn.Module):
                      for w in (self.q_proj, self.k_proj, self.v_proj))
 
     def project_all(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of every expert (the uncached forward's dense sparse path): h (B, N, d) ->
-        3 x (B, L, N, u)."""
+        """q, k, v of every expert (the uncached forward): h (B, N, d) -> 3 x (B, L, N, u)."""
         return tuple(torch.einsum("bnd,ldu->blnu", h, w) for w in (self.q_proj, self.k_proj, self.v_proj))
 
     def output_all(self, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -222,21 +201,15 @@ class MoSRAH(nn.Module):
     def step(self, h: torch.Tensor, routes: torch.Tensor, sparse_k: torch.Tensor, sparse_v: torch.Tensor,
              ctx: StepContext) -> tuple[torch.Tensor, ...]:
         """Routes the chunk, writes each token's key and value into its K experts' caches, attends
-        them and mixes the K outputs by the routing weights.
-
-        Args: h (B, C, d) normed hidden states; routes (B*(N+1), K) the routing history;
-            sparse_k, sparse_v (B*L*(T+1), u) the experts' caches.
-        Returns: (B, C, d) output, and routes, sparse_k, sparse_v (the same tensors when in place).
-        """
+        them and mixes the K outputs by the routing weights. h (B, C, d) normed, routes
+        (B*(N+1), K), sparse_k, sparse_v (B*L*(T+1), u) -> (B, C, d), routes, sparse_k, sparse_v."""
         B, C, _ = h.shape
         L, K, u, mode = self.num_experts, self.num_selected, self.head_dim, ctx.mode
         W, N, T = L // K, routes.shape[0] // B - 1, sparse_k.shape[0] // (B * L) - 1
-        # Experts taken in the open block, from the history. The read rows are disjoint from
-        # the rows this step writes (N >= C + W - 1), and every read feeds the write, so an
-        # onnxruntime output aliased to this input is written only after all reads.
+        # Experts taken in the open block, from history rows disjoint from those this step writes
+        # (N >= C + W - 1), read before the write: an aliased onnxruntime output is safe.
         if W > 1:
-            # gather, not index_select: a row's few history rows, with no op that the .pte's
-            # graph checks flag as a cache gathered per query
+            # gather, not index_select: the .pte's graph checks flag the latter as a cache gather
             prev = routes.view(B, N + 1, K).gather(1, ctx.hist_idx)[..., None]  # (B, W-1, K, 1)
             taken = ((prev == ctx.ar_l) & ctx.hist_open).view(B, (W - 1) * K, L).any(1)  # (B, L)
         else:  # one token per block: nothing is ever taken
@@ -262,9 +235,8 @@ class MoSRAH(nn.Module):
         sparse_k = write_rows(sparse_k, rows, ks.reshape(-1, u), mode.inplace)
         sparse_v = write_rows(sparse_v, rows, vs.reshape(-1, u), mode.inplace)
         scale = ctx.rope.sparse_factor / math.sqrt(u)
-        # the first P slots of each cache (P >= every live slot: `StepContext.slots`). WHY not
-        # sliced in an export of the whole cache: a slice of the whole dim is still a copy in
-        # ExecuTorch; and no test of P under Dynamo, where P may be a dynamic size
+        # the first P slots of each cache (`StepContext.slots`); not sliced in an export of the
+        # whole cache (a copy in ExecuTorch), and no test of P under Dynamo (a dynamic size)
         n = ctx.slots.shape[0]
         kc, vc = (c.view(B * L, T + 1, u) for c in (sparse_k, sparse_v))
         if not torch.compiler.is_exporting() or n < T + 1:
@@ -284,9 +256,7 @@ class HybridAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One layer: the pre-norm residual structure a = x + g_attn * attn(norm(x));
-    x = a + g_mlp * mlp(norm(a)) (`residual`), around the static step's attention (`step`) or
-    the uncached forward's (`model.py`)."""
+    """One layer: a = x + g_attn * attn(norm(x)); x = a + g_mlp * mlp(norm(a)) (`residual`)."""
 
     def __init__(self, config: ShramConfig):
         super().__init__()
@@ -312,14 +282,9 @@ class DecoderLayer(nn.Module):
              sparse_k: torch.Tensor, sparse_v: torch.Tensor, *ctx) -> tuple[torch.Tensor, ...]:
         """The layer over a chunk of the static step, reading and writing its 5 state tensors.
 
-        Args: x (B, C, d); routes .. sparse_v the layer's state (`state.LayerState`); ctx
-            `StepContext.flat()`. WHY flat: the compiled steps run this as a nested compile region
-            (`step.step`), and Dynamo fingerprints a region's call for reuse by tracing pytree's
-            flatten of any tuple argument (seconds of a cold compile), not of flat tensors,
-            constants and modules.
-        Returns: (x,) in place, (x, *the new state) out of place: a flat tuple of tensors (Dynamo
-            reuses a region's trace only for such an output), without the mutated inputs in place
-            (a region rejects an output aliasing an input).
+        Args: x (B, C, d); routes .. sparse_v (`state.LayerState`); ctx `StepContext.flat()`.
+        Returns: (x,) in place, (x, *the new state) out of place: a flat tuple (what Dynamo reuses a
+            region's trace for), without mutated inputs (a region rejects an output aliasing one).
         """
         ctx = StepContext.of(ctx)
         h = self.attn_norm(x)

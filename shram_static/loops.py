@@ -1,8 +1,6 @@
-"""The generation loops every decoder runs (`HostDecoder.generate`): the checks of a request,
-then plain or sampled decoding here, or speculative decoding (`speculative.py`).
-
-They use the decoder contract alone (docs/design.md, "The decoder contract"): `prefill`,
-`feed`, `reset`, the checked prompt and its capacity, so every backend runs the same loops.
+"""The generation loops every decoder runs (`HostDecoder.generate`): a request's checks, then
+plain or sampled decoding here, or speculative decoding (`speculative.py`). They use the decoder
+contract alone (docs/design.md, "The decoder contract"), so every backend runs the same loops.
 """
 
 import numpy as np
@@ -28,22 +26,18 @@ def generate(dec, input_ids: torch.Tensor, attention_mask: torch.Tensor | None =
         input_ids, attention_mask: the prompt, as in `prefill`; every row needs a live token.
         max_new_tokens: n tokens to produce per row.
         do_sample: sample instead of argmax (also implied by temperature/top_k/top_p).
-        temperature, top_k, top_p: sampling filters (`sampling.Sampler`: any finite
-            temperature > 0; a tiny one gives greedy's tokens).
+        temperature, top_k, top_p: sampling filters (`sampling.Sampler`; temperature > 0).
         seed: seeds the sampler for reproducible samples.
         eos_token_id: stops a row once produced (default: the decoder's tokenizer EOS).
         pad_token_id: fills a row after it stopped (default: eos_token_id, else 0).
         streamer: a transformers-style streamer (e.g. `TextStreamer`, batch 1): gets
             `put(prompt ids)`, then `put(tokens (B,))` as each is produced, then `end()`.
-        speculate: k > 0 to decode speculatively (`speculative.py`): up to k guessed tokens
-            per row and round, checked in one verify step, the rejected ones rolled back.
-            The tokens are exactly greedy decoding's; samples follow the same distribution
-            as without speculation. Guesses come from prompt lookup, or from `draft`.
-        draft: a `HostDecoder` of a smaller model with the same vocabulary and batch size,
-            which drafts the guesses (implies speculate=4 if speculate is None).
-        logit_bias, presence_penalty, frequency_penalty, repetition_penalty: OpenAI's and
-            vLLM's adjustments of each step's logits (`sampling.Sampler`), greedy or
-            sampled; not with speculate or draft.
+        speculate: k > 0 to decode speculatively, up to k guesses per row and round (prompt
+            lookup, or `draft`); same tokens / distribution as without (`speculative.py`).
+        draft: a `HostDecoder` of a smaller model with the same vocabulary and batch size that
+            drafts the guesses (implies speculate=4 if speculate is None).
+        logit_bias, presence_penalty, frequency_penalty, repetition_penalty: adjustments of
+            each step's logits (`sampling.Sampler`); not with speculate or draft.
 
     Returns:
         (B, n) int64 new tokens.
@@ -99,10 +93,8 @@ def _plain(dec, ids, live, max_new_tokens: int, sample: bool, warp, gen, eos, pa
     """`generate` without speculation (arguments validated there): (B, max_new_tokens) tokens."""
     dec.reset()
     logits = dec.prefill(ids, live, last_only=True)  # (B, V)
-    # WHY numpy for the loop's bookkeeping: each torch op on a (B,) tensor costs several
-    # microseconds, after a step that streamed every weight through the caches several
-    # times that, and a loop of a dozen of them was a tenth of the built-in model's step;
-    # the tokens fed back are written into two (B, 1) tensors that share numpy's memory.
+    # WHY numpy for the bookkeeping: each torch op on a (B,) tensor costs microseconds; the
+    # tokens fed back are written into two (B, 1) tensors that share numpy's memory.
     out = np.full((dec.batch_size, max_new_tokens), pad, dtype=np.int64)
     done = np.zeros(dec.batch_size, dtype=bool)
     feed = torch.zeros(dec.batch_size, 1, dtype=torch.long)  # (B, 1) the tokens fed back

@@ -9,10 +9,8 @@ from torch import nn
 
 from .console import quiet_loggers
 
-# WHY quiet: importing transformers' model classes imports torchao (its quantizer registry),
-# which on a CPU-only torch logs a warning for each CUDA kernel library it cannot load, and
-# registers Enums that torch 2.13 logs as deprecated: warnings about nothing this package uses.
-# Only records of those two loggers during these imports are dropped.
+# WHY quiet: transformers' model classes import torchao, whose CUDA-library and deprecated-Enum
+# warnings concern nothing this package uses (only those two loggers' records are dropped).
 with quiet_loggers("torchao", "torch.utils._pytree"):
     from transformers import AutoModelForCausalLM, PreTrainedModel
     from transformers.utils import ModelOutput
@@ -28,8 +26,8 @@ from .validation import check_capacity, check_input_ids, check_mask
 
 @dataclass
 class CausalLMOutput(ModelOutput):
-    """logits: (B, N, V). selected_heads: (layers, B, N, K), -1 at dead tokens (uncached
-    forward with `output_routing`). cache: the `ShramCache` a cached forward advanced."""
+    """logits (B, N, V); selected_heads (layers, B, N, K), -1 at dead tokens (`output_routing`);
+    cache, the `ShramCache` a cached forward advanced."""
 
     logits: torch.Tensor | None = None
     selected_heads: torch.Tensor | None = None
@@ -44,15 +42,11 @@ class ShramModel(nn.Module):
 
 
 class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
-    """SHRAM decoder-only language model with the checkpoint layout of the original code.
-
-    A transformers `PreTrainedModel` with `GenerationMixin`: `generate()` runs on a
-    `ShramCache` (the fixed-shape static state); see `generation.py`. Checkpoint I/O is this
-    package's own (`checkpoint.py`), not transformers'.
+    """SHRAM decoder-only language model with the original code's checkpoint layout; `generate()`
+    runs on a `ShramCache` (`generation.py`), checkpoint I/O is `checkpoint.py`'s.
 
     Args:
-        config: the model's `ShramConfig`. Weights are initialised as the original does
-            (normal(0, 0.02) projections, unit norms and residual gates).
+        config: the model's `ShramConfig` (weights initialised as the original does).
     """
 
     config_class = ShramConfig
@@ -65,10 +59,8 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.embedding_width)
         self.model = ShramModel(config)
         self.rope = RotaryTables(config)
-        if config.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(config.embedding_width, config.vocab_size, bias=False)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else nn.Linear(config.embedding_width, config.vocab_size, bias=False))
         self._init_parameters()
         self.eval()
 
@@ -91,34 +83,28 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
         h = self.model.norm(x)
         if self.lm_head is not None:
             return self.lm_head(h)
-        # F.linear, not `x @ W.t()`: ExecuTorch delegates linear to XNNPACK but leaves a
-        # transposed mm on portable kernels, several times slower (docs/performance.md, "`.pte`"), and
-        # torchao's int8 flow quantizes only linear.
+        # F.linear, not `x @ W.t()`: XNNPACK delegates linear, not a transposed mm, and torchao's
+        # int8 flow quantizes only linear
         return F.linear(h, self.embed_tokens.weight)
 
-    # -- checkpoint I/O lives in checkpoint.py; these are the HF-style entry points --------
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | str = torch.float32, *, config: ShramConfig | None = None,
                         **kwargs) -> "ShramForCausalLM":
-        """Loads a checkpoint directory (`config.json` + `model.safetensors`), eval mode.
-
-        Also the target of `AutoModelForCausalLM.from_pretrained(path)` (importing
-        `shram_static` registers the Auto classes).
+        """Loads a checkpoint directory (`config.json` + `model.safetensors`) in eval mode; also the
+        target of `AutoModelForCausalLM.from_pretrained(path)`.
 
         Args:
             path: directory written by the original SHRAM code or by `save_pretrained`.
-            dtype: parameter dtype after loading (fp32, bf16 or fp16 files are cast to it);
-                "auto" keeps the file's dtype. `torch_dtype=` is accepted as an alias.
-            config: a `ShramConfig` to use instead of the directory's `config.json` (the Auto
-                classes pass the one they read, with any overrides applied).
-            **kwargs: the options transformers' Auto classes pass on (`trust_remote_code`,
-                `revision`, `cache_dir`, ...; ignored for a local directory), `subfolder`, and
-                `check_finite` (default True: a NaN or Inf in any tensor is a CheckpointError
-                naming it; False skips the check); anything else is a TypeError.
+            dtype: parameter dtype after loading; "auto" keeps the file's. Alias `torch_dtype=`.
+            config: a `ShramConfig` to use instead of the directory's `config.json`.
+            **kwargs: the Auto classes' options (`trust_remote_code`, `revision`, ...; ignored),
+                `subfolder`, `check_finite` (default True: a NaN or Inf is a CheckpointError).
 
         Returns:
-            The model. Raises CheckpointError naming any missing, unexpected, misshapen or
-            non-finite key.
+            The model.
+
+        Raises:
+            CheckpointError naming any bad key; TypeError for an unknown keyword.
         """
         from .checkpoint import load_pretrained
         return load_pretrained(cls, path, dtype, config=config, **kwargs)
@@ -131,7 +117,6 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
     # WHY: PreTrainedModel precedes the mixin in the bases and defines its own.
     get_compiled_call = ShramGenerationMixin.get_compiled_call
 
-    # -- forward: uncached over whole sequences, or cached on a ShramCache --------------
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 output_routing: bool = False, cache: ShramCache | None = None,
                 use_cache: bool | None = None, return_dict: bool | None = None,
@@ -141,25 +126,17 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
         Args:
             input_ids: (B, N) token ids.
             attention_mask: (B, N) 1 for live tokens, 0 for dead ones (no-ops); default all live.
-                With a cache it covers the N new columns only.
             output_routing: also return the selected experts per layer (uncached only).
-            cache: a `ShramCache` to append the N columns to (N = 1: one decode step; longer:
-                fixed-size prefill chunks). None: the uncached forward.
-            use_cache, return_dict: accepted for transformers' generate(); the output is
-                always a `CausalLMOutput`.
-            logits_to_keep: 0 keeps the logits of every column; k > 0 only those of the last k
-                columns, as in transformers (generate() passes 1 for the prompt, whose full
-                (B, N, V) logits would be N times larger than what it reads). With a cache, only
-                the prefill chunks that hold those columns keep logits.
+            cache: a `ShramCache` to append the N columns to; None: the uncached forward.
+            use_cache, return_dict: accepted for transformers' generate(); ignored.
+            logits_to_keep: 0 keeps every column's logits; k > 0 only the last k columns'.
 
         Returns:
             CausalLMOutput with logits (B, N or k, V) (unspecified at dead positions), the cache
-            when one was given and, when asked, selected_heads (layers, B, N, K), -1 at dead
-            positions.
+            when one was given and, when asked, selected_heads (layers, B, N, K), -1 at dead ones.
 
         Raises:
-            TypeError, ValueError, CapacityError (cached: a row would pass the capacity),
-            before anything runs.
+            TypeError, ValueError, CapacityError (a row would pass the capacity), before anything runs.
         """
         if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool):
             raise TypeError(f"logits_to_keep must be an int >= 0 (0: every column), got {logits_to_keep!r}")
@@ -185,9 +162,8 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
 
     def _cached_forward(self, input_ids, attention_mask, output_routing, cache, keep) -> CausalLMOutput:
         if not torch.compiler.is_compiling():
-            # Eager calls are validated before the state changes. Inside the compiled decode
-            # forward (generate() feeds its own tokens) the checks would read values back to
-            # the host, a graph break; generate() checked capacity up front instead.
+            # eager only: compiled, the checks would read values back (a graph break); generate()
+            # feeds its own tokens and checked the capacity up front
             self._check_cache_call(input_ids, attention_mask, output_routing, cache)
         if attention_mask is None:
             live = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
@@ -224,14 +200,13 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
         local_mask = tri & live[:, None, :] & (dp < cfg.window_size) & (dp >= 0)
         local_bias = attention_bias(local_mask[:, None], x.dtype)  # (B, 1, N, N)
         local_seen = local_mask[:, None].any(-1, keepdim=True).to(x.dtype)  # (B, 1, N, 1)
-        cos_l, sin_l = self.rope.local(pos)  # (B, N, u)
+        cos_l, sin_l = (t[:, None] for t in self.rope.local(pos))  # (B, 1, N, u)
         routing = []
         for layer in self.model.layers:
             h = layer.attn_norm(x)
             la, sa = layer.attention.local_attention, layer.attention.sparse_attention
             q, k, v = la.qkv(h)  # (B, H, N, u)
-            q = apply_rope(q, cos_l[:, None], sin_l[:, None])
-            k = apply_rope(k, cos_l[:, None], sin_l[:, None])
+            q, k = apply_rope(q, cos_l, sin_l), apply_rope(k, cos_l, sin_l)
             y = la.out(masked_attention(q, k, v, local_bias, 1 / math.sqrt(cfg.head_dim), local_seen))
             idx, P = sa.router(h, live, start, taken, cfg.num_selected_heads)
             routing.append(torch.where(live[..., None], idx, -1))
@@ -240,11 +215,7 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
                               selected_heads=torch.stack(routing) if output_routing else None)
 
     def _mosrah_dense(self, bea, h, live, pos, idx, P, tri) -> torch.Tensor:
-        """Sparse path over a whole sequence, computing every expert and masking by selection.
-
-        Dense over all L experts: simple and exact for the uncached forward; the static steps
-        touch only the K selected experts.
-        """
+        """Sparse path over a whole sequence: every expert computed, masked by selection."""
         cfg = self.config
         L = cfg.num_mosrah_heads
         sel = (idx[..., None] == torch.arange(L, device=h.device)).any(-2) & live[..., None]  # (B, N, L)
@@ -259,12 +230,11 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         mask = tri & selT[..., :, None] & selT[..., None, :]  # (B, L, N, N)
         seen = mask.any(-1, keepdim=True).to(q.dtype)
-        y = masked_attention(q, k, v, attention_bias(mask, q.dtype), self.rope.sparse_factor / math.sqrt(cfg.head_dim),
-                             seen)
+        scale = self.rope.sparse_factor / math.sqrt(cfg.head_dim)
+        y = masked_attention(q, k, v, attention_bias(mask, q.dtype), scale, seen)
         return bea.output_all(y, w)
 
 
-# `AutoModelForCausalLM.from_pretrained(dir)` loads a SHRAM checkpoint (also one written by the
-# original code, whose `auto_map` points at remote code) into this package, without
-# trust_remote_code. exist_ok: re-importing (e.g. importlib.reload) is fine.
+# `AutoModelForCausalLM.from_pretrained(dir)` loads a SHRAM checkpoint (the original code's too)
+# into this package, without trust_remote_code. exist_ok: re-importing is fine.
 AutoModelForCausalLM.register(ShramConfig, ShramForCausalLM, exist_ok=True)

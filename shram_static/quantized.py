@@ -1,27 +1,11 @@
 """Weight-only int8 and int4 linear layers for PyTorch (eager, `torch.compile`, `generate()`), and
-the swap that puts them in place of a model's `nn.Linear` layers.
+the swap that puts them in place of a model's `nn.Linear` layers on a copy.
 
-gpt-fast style: plain modules holding plain buffers (an integer weight and fp16 scales), no
-tensor subclass. WHY no torchao config: its quantized weights are tensor subclasses, which the
-compiled step's per-layer nested region (invoke_subgraph) refuses, and with the layers inlined
-Inductor lowers its int8 weight-only linear to an fp32 matmul over a converted copy of the
-weight (5.4x the fp32 step's time on the bench model; docs/performance.md, "Quantization").
-
-* `Int8Linear`: int8 weights, one scale per block of GROUP inputs of an output (llama.cpp's
-  q8_0: amax / 127).
-* `Int4Linear`: 4-bit weights, one scale per block of GROUP inputs of an output (llama.cpp's
-  q4_0: the block's value of largest magnitude is -8 steps, zero exact).
-
-Both run every row count, eager and compiled, through the integer dot-product ops of
-`int_kernels` (each row quantized to int8 per block of GROUP, as llama.cpp's q8_0 activations),
-so the compiled step, the uncached forward and `generate()` compute the same numbers. Where the
-ops could not be built, they multiply by the dequantized float weight instead.
-
-`quantize_linears_` swaps them in on a copy (`StaticDecoder(quantize=...)` on its own copy);
-`quantized_model` returns such a copy for `generate()`. The layers are a snapshot: they do not
-follow later changes of the float weights they were made from.
+Plain modules over plain buffers (integer weights, fp16 scales per block of GROUP inputs, as
+llama.cpp's q8_0 / q4_0), run through `int_kernels`' integer ops (their float path where those
+could not be built). WHY not torchao: its tensor-subclass weights are refused by the compiled
+step's nested regions. The layers are a snapshot: they do not follow the float weights.
 """
-
 import torch
 from torch import nn
 
@@ -40,8 +24,7 @@ def check_quantize(mode) -> None:
 
 
 class _IntLinear(nn.Module):
-    """A bias-free linear over a weight quantized per block of GROUP inputs (`int_kernels.pack`'s
-    layout). Subclasses set BITS and `quantize`."""
+    """A bias-free linear over a weight quantized per block of GROUP inputs (`int_kernels.pack`)."""
 
     BITS = 0
 
@@ -75,21 +58,16 @@ class _IntLinear(nn.Module):
 
 
 def _fp16_steps(s: torch.Tensor) -> torch.Tensor:
-    """Scales as fp16 (what the weight stores) and, as float32, the step q is rounded against:
-    infinite where the fp16 scale is 0 (a zero block, or one too small for fp16: its q are 0)."""
+    """The fp16 scales, and as float32 the step q is rounded against (inf where the fp16 scale is 0)."""
     s16 = s.to(torch.float16)
     return s16, torch.where(s16 == 0, torch.full_like(s, float("inf")), s16.float())
 
 
 class Int8Linear(_IntLinear):
-    """Weight-only int8 `nn.Linear` (no bias): q in [-127, 127], one fp16 scale per block of
-    GROUP inputs of an output (amax / 127).
+    """Weight-only int8 `nn.Linear` (no bias): q in [-127, 127], a scale per block (amax / 127).
 
     Args:
-        weight: (out, in) float; quantized here (not kept).
-
-    Buffers: `packed` (ceil(out / 16), ceil(in / GROUP), 8, 64) uint8 and `scale`
-    (ceil(out / 16), ceil(in / GROUP), 16) fp16 (`int_kernels.pack`).
+        weight: (out, in) float; quantized here (not kept) into `packed` and `scale` (`int_kernels.pack`).
     """
 
     BITS = 8
@@ -101,14 +79,10 @@ class Int8Linear(_IntLinear):
 
 
 class Int4Linear(_IntLinear):
-    """Weight-only 4-bit `nn.Linear` (no bias): q in [-8, 7], one fp16 scale per block of GROUP
-    inputs of an output (the block's value of largest magnitude is -8 steps, as q4_0).
+    """Weight-only 4-bit `nn.Linear` (no bias): q in [-8, 7], a scale per block (largest |w| is -8 steps).
 
     Args:
-        weight: (out, in) float; quantized here (not kept).
-
-    Buffers: `packed` (ceil(out / 16), ceil(in / GROUP), 4, 64) uint8 (two weights a byte) and
-    `scale` (ceil(out / 16), ceil(in / GROUP), 16) fp16 (`int_kernels.pack`).
+        weight: (out, in) float; quantized here (not kept) into `packed` and `scale` (`int_kernels.pack`).
     """
 
     BITS = 4
@@ -124,15 +98,15 @@ LAYERS = {"int8": Int8Linear, "int4": Int4Linear}
 
 
 def quantize_linears_(model: nn.Module, mode: str) -> nn.Module:
-    """Replaces every bias-free `nn.Linear` of `model` (every projection, the MLP, the lm_head;
-    a tied lm_head gets its own quantized copy of the table) by an `Int8Linear` or `Int4Linear`,
-    in place; returns `model`. The embedding table, the router and the sparse path's expert
-    weights stay as they are (a decode step reads one embedding row and K of the L experts:
-    a few percent of its bytes). Use on a `shared_copy`.
+    """Replaces every bias-free `nn.Linear` of `model` (a tied lm_head too) by an `Int8Linear` or
+    `Int4Linear`, in place; the embedding, router and expert weights stay float.
 
     Args:
-        model: a `ShramForCausalLM` copy.
+        model: a `ShramForCausalLM` copy (a `shared_copy`).
         mode: "int8" or "int4".
+
+    Returns:
+        model.
     """
     check_quantize(mode)
     if mode is None:
@@ -141,16 +115,13 @@ def quantize_linears_(model: nn.Module, mode: str) -> nn.Module:
 
 
 def quantized_model(model: nn.Module, mode: str) -> nn.Module:
-    """A copy of `model` with int8 or int4 weight-only linear layers (`quantize_linears_`),
-    sharing every other weight with it; `model` is not changed. The copy is a
-    `ShramForCausalLM` like the original: `generate()`, the uncached forward and
-    `StaticDecoder` run it.
+    """A copy of `model` with int8 or int4 weight-only linear layers, sharing every other weight.
 
     Args:
-        model: a `ShramForCausalLM`.
+        model: a `ShramForCausalLM` (not changed).
         mode: "int8" or "int4".
 
     Returns:
-        The quantized copy, in eval mode.
+        The quantized `ShramForCausalLM` copy, in eval mode.
     """
     return quantize_linears_(shared_copy(model).eval(), mode)

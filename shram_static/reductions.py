@@ -1,11 +1,9 @@
 """Row reductions in the one form XNNPACK delegates.
 
 ExecuTorch's XNNPACK partitioner takes `mean.dim` only over the two innermost dims of a 4-D
-tensor with keepdim, and leaves `sum`/`mean` of any other shape and `amax` on portable kernels; every
-portable op between delegated ones splits the delegate (one more XNNPACK call per step, one more
-partition to lower). Viewing (..., n) as (-1, 1, 1, n) and averaging dims (2, 3) keeps entmax's
-Newton steps and RMSNorm inside the surrounding delegate. Eager, Inductor and ONNX compute
-the same mean; the extra view is free. A max is a tree of elementwise `maximum`s over halves.
+tensor with keepdim, and leaves other `sum`/`mean` shapes and `amax` on portable kernels, each
+of which splits the delegate. Viewing (..., n) as (-1, 1, 1, n) keeps entmax's Newton steps and
+RMSNorm inside the delegate; a max is a tree of elementwise `maximum`s over halves.
 """
 
 import torch
@@ -29,12 +27,8 @@ def max_last(y: torch.Tensor) -> torch.Tensor:
 
 def small_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`torch.bmm(a, b)` as a broadcast product summed over the shared dim: (N, M, k) x (N, k, P)
-    -> (N, M, P), for the few-token step's tiny matrices.
-
-    WHY: Inductor turns a bmm on CPU into fused loops only when M or P is 1; any other is an
-    extern call into the BLAS per layer, whose fixed cost dwarfs a product of a few rows. The
-    same sum over a broadcast product is one fused reduction.
-    """
+    -> (N, M, P). WHY: Inductor fuses a CPU bmm only when M or P is 1; any other is an extern
+    BLAS call per layer, whose fixed cost dwarfs a product of a few rows."""
     return (a[:, :, :, None] * b[:, None, :, :]).sum(2)
 
 
@@ -52,9 +46,8 @@ def exclusive_cumsum(x: torch.Tensor, small: bool = False) -> torch.Tensor:
 
 
 def inclusive_cumsum(x: torch.Tensor, small: bool = False) -> torch.Tensor:
-    """`x.cumsum(1)` in int64 (the entry itself counted); `small` as in `exclusive_cumsum`.
-    One entry per row (a decode step) is its own sum: no op at all (a static shape; a cumsum
-    would be an extern call under Inductor and a portable kernel in the .pte)."""
+    """`x.cumsum(1)` in int64; `small` as in `exclusive_cumsum`. One entry per row (decode) is
+    its own sum: no op at all (a cumsum is an extern call under Inductor, a portable kernel in .pte)."""
     x = x.long()
     if x.shape[1] == 1:
         return x

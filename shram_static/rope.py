@@ -1,4 +1,5 @@
-"""Rotary position embeddings: plain RoPE for the local path, YaRN for the sparse path (docs/design.md, "RoPE and YaRN")."""
+"""Rotary position embeddings: plain RoPE for the local path, YaRN for the sparse path
+(docs/design.md, "RoPE and YaRN")."""
 
 import math
 
@@ -9,24 +10,13 @@ from .config import ShramConfig
 
 
 def rope_frequencies(head_dim: int, base: float) -> torch.Tensor:
-    """Returns theta_i = base^(-2i/u), i = 0..u/2-1, in fp32.  # (u/2,)"""
+    """theta_i = base^(-2i/u), i = 0..u/2-1: (u/2,) fp32."""
     return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
 
 
 def yarn_frequencies(head_dim: int, base: float, train_range: float, s: float,
                      alpha: float, beta: float) -> torch.Tensor:
-    """YaRN-interpolated frequencies theta'_i (docs/design.md, "RoPE and YaRN").
-
-    Args:
-        head_dim: u.
-        base: RoPE base b.
-        train_range: C, the training range of the positions being rotated.
-        s: context extension factor C_target / C_train (1 gives plain RoPE).
-        alpha, beta: ramp bounds.
-
-    Returns:
-        (u/2,) fp32 frequencies.
-    """
+    """(u/2,) fp32 YaRN frequencies theta'_i for training range C = `train_range` and factor s."""
     theta = rope_frequencies(head_dim, base)
     r = train_range * theta / (2 * math.pi)
     gamma = ((r - alpha) / (beta - alpha)).clamp(0.0, 1.0)
@@ -39,11 +29,7 @@ def yarn_attention_factor(s: float) -> float:
 
 
 def cos_sin_table(freqs: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tables for positions 0..length-1, duplicated over both halves ("rotate half").
-
-    Returns:
-        cos, sin: (length, u) fp32.
-    """
+    """cos, sin (length, u) fp32 for positions 0..length-1, over both halves ("rotate half")."""
     t = torch.arange(length, dtype=torch.int64).float()
     ang = torch.outer(t, freqs)  # (length, u/2)
     ang = torch.cat([ang, ang], dim=-1)  # (length, u)
@@ -64,33 +50,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class RotaryTables(nn.Module):
     """Non-persistent cos/sin tables of both paths, covering every position the capacity allows.
-
-    Positions are clamped into the table when looked up, so a graph called with an
-    out-of-range position never indexes out of bounds (its output is then meaningless, and
-    the host-side wrapper never lets that happen).
-    """
+    Lookups clamp positions, so a graph called out of range never indexes out of bounds."""
 
     def __init__(self, config: ShramConfig):
         super().__init__()
         u = config.head_dim
         n = max(config.inference_sequence_length, config.mosrah_cache_length)
-        cos, sin = cos_sin_table(rope_frequencies(u, config.local_rope_theta), n)
-        self.register_buffer("local_cos", cos, persistent=False)
-        self.register_buffer("local_sin", sin, persistent=False)
-        if config.rope_mode == "main_sequence":
-            train_range = config.training_sequence_length
-        else:
-            train_range = config.mosrah_packed_length
-        freqs = yarn_frequencies(u, config.mosrah_rope_theta, train_range, config.scale,
-                                 config.alpha, config.beta)
-        cos, sin = cos_sin_table(freqs, n)
-        self.register_buffer("sparse_cos", cos, persistent=False)
-        self.register_buffer("sparse_sin", sin, persistent=False)
+        main = config.rope_mode == "main_sequence"
+        train_range = config.training_sequence_length if main else config.mosrah_packed_length
+        yarn = yarn_frequencies(u, config.mosrah_rope_theta, train_range, config.scale,
+                                config.alpha, config.beta)
+        for path, freqs in (("local", rope_frequencies(u, config.local_rope_theta)), ("sparse", yarn)):
+            cos, sin = cos_sin_table(freqs, n)
+            self.register_buffer(f"{path}_cos", cos, persistent=False)
+            self.register_buffer(f"{path}_sin", sin, persistent=False)
         self.sparse_factor = yarn_attention_factor(config.scale)
         self.length = n
 
     def _apply(self, fn, recurse=True):
-        # Keep the tables fp32 when the model is cast to bf16/fp16 (docs/design.md, "RoPE and YaRN"); moves still apply.
+        # keep the tables fp32 when the model is cast to bf16/fp16; moves still apply
         super()._apply(fn, recurse)
         for name in ("local_cos", "local_sin", "sparse_cos", "sparse_sin"):
             setattr(self, name, getattr(self, name).float())

@@ -1,18 +1,12 @@
-"""Per-row bookkeeping around a step, shared by `HostDecoder` and `ShramCache`.
-
-- `RowCounts`: each row's live tokens (the step's `input_pos`) and how many of its last tokens
-  it can forget now (rollback, `crop`).
-- `padded_chunks`: N columns as fixed-size chunks of C, the last padded with dead tokens.
-- `canonical`: a step's input in the one layout its compiled graph was traced with.
-"""
+"""Per-row bookkeeping around a step, shared by `HostDecoder` and `ShramCache`."""
 
 import torch
 import torch.nn.functional as F
 
 
 class RowCounts:
-    """The live-token and rollback counts of B rows, as (B,) int64 tensors updated in place
-    (so a compiled forward that reads them never recompiles).
+    """The live-token and rollback counts of B rows, (B,) int64 tensors updated in place (so a
+    compiled forward that reads them never recompiles).
 
     Args:
         batch_size: B.
@@ -28,9 +22,7 @@ class RowCounts:
         self.undo = torch.zeros(batch_size, dtype=torch.long, device=device)
 
     def fed(self, n: torch.Tensor, rollback_limit: int) -> None:
-        """Rows took n (B,) more live tokens. A fed token can be forgotten until rollback_limit
-        later ones have been fed (the ring and the routing history keep that many beyond what
-        a step needs)."""
+        """Rows took n (B,) more live tokens; one can be forgotten until rollback_limit more were fed."""
         self.live.add_(n)
         self.undo.add_(n).clamp_(max=rollback_limit)
 
@@ -46,12 +38,9 @@ class RowCounts:
 
     def reset(self, rows: torch.Tensor | None = None) -> None:
         """Rows (a (n,) int64 index; None: every row) start afresh, nothing to forget."""
-        if rows is None:
-            self.live.zero_()
-            self.undo.zero_()
-        else:
-            self.live[rows] = 0
-            self.undo[rows] = 0
+        rows = slice(None) if rows is None else rows
+        self.live[rows] = 0
+        self.undo[rows] = 0
 
     def reorder(self, idx: torch.Tensor) -> None:
         """Row b takes the counts of row idx[b] (beam search)."""
@@ -67,13 +56,10 @@ def padded_chunks(ids: torch.Tensor, live: torch.Tensor, C: int) -> tuple[torch.
 
 
 def canonical(t: torch.Tensor) -> torch.Tensor:
-    """t itself if it starts its storage with the contiguous strides for its shape, else a
-    contiguous copy.
+    """t itself if it starts its storage with contiguous strides, else a contiguous copy.
 
-    WHY: a compiled step guards on its inputs' strides (and Inductor checks their alignment),
-    and a column slice keeps its parent's row stride (`.contiguous()` is a no-op for it when
-    it has one row), which made every prefill call (and every decode forward of
-    transformers' `generate`) recompile."""
+    WHY: a compiled step guards on its inputs' strides, and a one-row column slice keeps its
+    parent's row stride (`.contiguous()` is then a no-op), which made every prefill recompile."""
     want, n = [], 1
     for size in reversed(t.shape):
         want.append(n)

@@ -1,21 +1,8 @@
-"""Picking tokens from logits: greedy, or a sample under temperature, top-k and top-p, after
-OpenAI's `logit_bias`, `presence_penalty` and `frequency_penalty` and the `repetition_penalty`
-of vLLM and transformers.
-
-One implementation for `HostDecoder.generate`, speculative decoding (`speculative.py`) and the
-server's engine (`serve/engine.py`). The logits are scaled in float64 after the row's maximum
-is subtracted, so the top logit becomes exactly 0 and every other one a finite negative number
-or -inf: no temperature > 0 overflows (logits / 1e-300 in float32 is inf, and softmax of inf
-is NaN). A temperature small enough that no other token keeps any probability gives greedy's
-token (one of equal maxima). Top-k and top-p are transformers' logits warpers, applied after
-the temperature as in `generate()`.
-
-The adjustments come first, in vLLM's order, and greedy decoding takes them too (its argmax is
-of the adjusted logits): `logit_bias` is added; `repetition_penalty` r divides a positive
-logit by r and multiplies a negative one by r for every token in the prompt or the output so
-far; then, as OpenAI defines them, logit[j] -= c[j] * frequency_penalty + (c[j] > 0) *
-presence_penalty, c[j] counting token j among the generated tokens. The tokens seen are a
-`History` the caller keeps (one per request).
+"""Picking tokens from logits: greedy, or a sample under temperature, top-k and top-p (transformers'
+warpers), after OpenAI's `logit_bias`, presence and frequency penalties and vLLM's and transformers'
+`repetition_penalty`, in vLLM's order (docs/serving.md); one implementation for `generate`,
+speculative decoding and the server. The logits are scaled in float64 after the row's maximum is
+subtracted, so no temperature > 0 overflows, and one small enough gives greedy's token.
 """
 
 import math
@@ -30,8 +17,7 @@ PENALTY_LIMIT = 2.0  # OpenAI's range of presence_penalty and frequency_penalty:
 
 
 def _number(name: str, value, low: float, high: float, low_open: bool = False) -> float:
-    """`value` as a float, checked to be a finite number in [low, high] ((low, high] when
-    `low_open`); TypeError / ValueError naming `name` otherwise."""
+    """`value` as a float in [low, high] ((low, high] when `low_open`), else TypeError/ValueError."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     v = float(value)
@@ -54,7 +40,6 @@ class History:
         prompt = torch.as_tensor(prompt, dtype=torch.long)
         prompt = prompt.reshape(-1, prompt.shape[-1])
         w = torch.ones_like(prompt) if live is None else torch.as_tensor(live).reshape(prompt.shape).long()
-        # a dead (padding) position adds 0: only live tokens mark their id as seen
         self.in_prompt = torch.zeros(prompt.shape[0], vocab_size, dtype=torch.long).scatter_add_(
             1, prompt.clamp(0, vocab_size - 1), w) > 0  # (N, V)
         self.counts = torch.zeros(prompt.shape[0], vocab_size, dtype=torch.long)  # (N, V)
@@ -75,9 +60,9 @@ class Sampler:
             0 < top_p <= 1 (None or 1: all).
         logit_bias: {token id: bias}, each bias in [-100, 100], added to those logits.
         presence_penalty, frequency_penalty: in [-2, 2], OpenAI's penalties on the generated
-            tokens (module docstring); they need a `History`.
-        repetition_penalty: > 0 (1: off), vLLM's and transformers' penalty on every token of
-            the prompt and the output; it needs a `History`.
+            tokens (logit[j] -= c[j] * frequency + (c[j] > 0) * presence); they need a `History`.
+        repetition_penalty: > 0 (1: off), divides positive logits and multiplies negative ones
+            of every token of the prompt and the output; it needs a `History`.
         vocab_size: when given, `logit_bias` ids are checked to be below it.
 
     Raises:
@@ -135,8 +120,7 @@ class Sampler:
         return History(prompt, live, vocab_size) if self.needs_history else None
 
     def adjust(self, logits: torch.Tensor, history: History | None = None) -> torch.Tensor:
-        """The logits after `logit_bias` and the penalties (module docstring), float64; the
-        logits themselves when none is set.
+        """The logits after `logit_bias` and the penalties, float64 (the logits when none is set).
 
         Args:
             logits: (V,) or (N, V) logits.
@@ -173,8 +157,7 @@ class Sampler:
             history: the tokens each row has seen (when a penalty is set).
 
         Returns:
-            float64 probabilities of the same shape (each row sums to 1). Greedy: one-hot at
-            the argmax of the adjusted logits.
+            float64 probabilities of the same shape; greedy: one-hot at the adjusted argmax.
         """
         x = self.adjust(logits, history).detach().to(torch.float64)
         if self.greedy:
@@ -188,8 +171,7 @@ class Sampler:
         return torch.softmax(x, dim=-1)
 
     def argmax(self, logits: torch.Tensor, history: History | None = None) -> torch.Tensor:
-        """Greedy's token per row: the argmax (the first of equal maxima) of the adjusted
-        logits; int64, () for (V,) logits, else (N,)."""
+        """Greedy's token per row (first of equal maxima of the adjusted logits): int64, () or (N,)."""
         return self.adjust(logits, history).argmax(-1)
 
     def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None,
@@ -199,12 +181,10 @@ class Sampler:
         Args:
             logits: (V,) or (N, V) finite logits.
             generator: the random source of the samples (None: torch's global one).
-            history: the tokens each row has seen (when a penalty is set); the caller adds
-                the picked tokens to it.
+            history: the tokens each row has seen (when a penalty is set); the caller adds to it.
 
         Returns:
-            int64 token ids, () for (V,) logits, else (N,): `argmax` when greedy, else a
-            sample of `probs`.
+            int64 token ids, () or (N,): `argmax` when greedy, else a sample of `probs`.
         """
         if self.greedy:
             return self.argmax(logits, history)
@@ -212,6 +192,5 @@ class Sampler:
 
 
 def draw(p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of probabilities p, (V,) or (N, V) (any non-negative weights with a
-    positive sum): int64, () or (N,)."""
+    """One token per row of probabilities (or weights) p, (V,) or (N, V): int64, () or (N,)."""
     return torch.multinomial(p.reshape(-1, p.shape[-1]), 1, generator=generator).reshape(p.shape[:-1])

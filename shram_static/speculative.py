@@ -1,23 +1,10 @@
 """Speculative decoding on any `HostDecoder` (eager, compiled, `.pte`, `.onnx`): drafts,
 verification in one fixed-shape step, acceptance, and rollback of the rejected tail.
 
-Each round feeds every row its last token plus up to k guessed tokens through the verify step
-(`HostDecoder.verify`), keeps the guesses the target model agrees with, and forgets the rest
-(`HostDecoder.rollback`). Guesses come from
-- prompt lookup (`PromptLookup`): the tokens that followed the latest earlier occurrence of the
-  row's last n-gram in its prompt and output so far (transformers' `prompt_lookup_num_tokens`);
-- a draft decoder: any smaller SHRAM model with the same vocabulary, run greedily or sampled
-  for k steps and rolled back in lockstep with the target.
-Greedy acceptance keeps the guesses equal to the target's argmax, so the tokens are exactly
-plain greedy decoding's. Sampling uses the speculative-sampling rule (Leviathan et al. 2023):
-guess x from q is kept with probability min(1, p(x) / q(x)), a rejected one is replaced by a
-sample of norm(max(p - q, 0)); a prompt-lookup guess has q = one-hot, so it is kept with
-probability p(x) and replaced from p without x. Either way the output is distributed as the
-target model's samples.
-
-k adapts as it goes: prompt lookup verifies only while the guesses it made recently paid for a
-verify step (`VERIFY_COST` decode steps), probing now and then; a draft decoder drafts one more
-token after a fully accepted round and one fewer after a rejection (transformers' heuristic).
+Guesses come from prompt lookup (`PromptLookup`) or a draft decoder. Greedy acceptance keeps
+the guesses equal to the target's argmax; sampling uses the speculative-sampling rule (Leviathan
+et al. 2023: keep x with probability min(1, p(x) / q(x)), else sample norm(max(p - q, 0)); a
+prompt-lookup guess has q = one-hot). See docs/speculative.md.
 """
 
 import contextlib
@@ -26,19 +13,12 @@ import torch
 
 from .sampling import draw
 
-# What a verify step of up to 5 tokens costs, in decode steps, for the gate that decides whether
-# prompt-lookup guesses are worth verifying: a round must keep VERIFY_COST - 1 guesses on
-# average to beat plain decoding. A constant, not a timing, so that seeded sampling stays
-# reproducible; `shram-static bench-speculative` measures the ratio (docs/performance.md, "Speculative decoding").
+# A verify step's cost in decode steps, for the gate on prompt-lookup guesses (a round must keep
+# VERIFY_COST - 1 guesses on average to pay). A constant, not a timing, so seeded sampling stays
+# reproducible.
 VERIFY_COST = 1.5
 PROBE_EVERY = 2  # a gated-off prompt lookup still verifies one round in this many
-# The n-grams prompt lookup matches: the longest match up to LOOKUP_NGRAMS[0] tokens, none
-# shorter than LOOKUP_NGRAMS[1]. WHY these and PROBE_EVERY: replaying greedy decoding of the
-# built-in model on 8 prompts (`benchmarks/prompt_lookup.py`), (8, 2) with a probe every 2nd
-# gated-off round needs fewer steps than (3, 1) every 8th on every prompt, grounded and free
-# (docs/speculative.md): a longer match picks the right
-# earlier occurrence, and a one-token match (a byte, a common word) guesses no better than
-# chance, costing a verify step.
+# The longest and shortest n-gram prompt lookup matches (these and PROBE_EVERY: docs/speculative.md).
 LOOKUP_NGRAMS = (8, 2)
 
 
@@ -52,9 +32,7 @@ class PromptLookup:
 
     def __init__(self, max_ngram: int, min_ngram: int):
         self.sizes = range(max_ngram, min_ngram - 1, -1)
-        # WHY the tokens as a str, one character each: `str.rfind` finds the latest earlier
-        # occurrence of an n-gram in C, where an index of every n-gram, kept up in Python token
-        # by token, was a visible share of a speculative round's host time
+        # WHY a str, one character per token: `str.rfind` finds the latest earlier n-gram in C
         self._text = ""
 
     def extend(self, tokens) -> None:
@@ -77,8 +55,7 @@ class PromptLookup:
 
 
 def _pick(logits: torch.Tensor, warp, sample: bool, gen) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(token, probabilities or None) from (V,) logits: argmax, or a sample of the `Sampler`
-    warp's distribution."""
+    """(token, probabilities or None) from (V,) logits: argmax, or a sample of warp's distribution."""
     if not sample:
         return logits.argmax(-1), None
     p = warp.probs(logits)
@@ -86,14 +63,8 @@ def _pick(logits: torch.Tensor, warp, sample: bool, gen) -> tuple[torch.Tensor, 
 
 
 def _accept(logits: torch.Tensor, drafts: list[int], q: list | None, warp, sample: bool, gen) -> list[int]:
-    """The tokens one verified row emits: the accepted guesses, then the target's own token.
-
-    Args:
-        logits: (n+1, V) target logits after the last token and after each of the n guesses.
-        drafts: the n guesses.
-        q: the draft's (V,) probabilities per guess (sampling with a draft decoder), else None.
-        warp: the `sampling.Sampler` of the request.
-    """
+    """The accepted guesses, then the target's own token, from logits (n+1, V) over n drafts;
+    q: the draft's (V,) probabilities per guess (sampling with a draft decoder), else None."""
     out: list[int] = []
     if not sample:  # the guesses equal to the argmax, then the argmax after them
         top = logits.argmax(-1).tolist()
@@ -116,8 +87,7 @@ def _accept(logits: torch.Tensor, drafts: list[int], q: list | None, warp, sampl
 
 
 def _feed_last(dec, toks: list[list[int]]) -> torch.Tensor:
-    """Feeds each row its list of tokens (0, 1 or more) in one step; (B, V) logits at each row's
-    last fed token (unspecified for a row fed nothing)."""
+    """Feeds each row its list of tokens in one step: (B, V) logits at each row's last one."""
     n = max(max(len(t) for t in toks), 1)
     ids = torch.tensor([t + [0] * (n - len(t)) for t in toks])
     live = torch.tensor([[j < len(t) for j in range(n)] for t in toks])
@@ -129,18 +99,14 @@ def _feed_last(dec, toks: list[list[int]]) -> torch.Tensor:
 
 
 def _step(dec, ids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """Feeds tokens this loop picked, ids (B, n) with live (B, n), in one step: (B, n, V) logits.
-    `HostDecoder.feed` skips the public methods' input checks (ids from the model's own
-    logits, capacity checked by `generate`); more tokens than a verify step takes go to prefill."""
+    """Feeds ids (B, n) this loop picked, unchecked (`feed`), or as prefill past verify_len."""
     if ids.shape[1] == 1 or ids.shape[1] <= (dec.verify_len or 0):
         return dec.feed(ids, live)
     return dec.prefill(ids, live)
 
 
 def steady(decoders, on: bool = True) -> contextlib.ExitStack:
-    """Enters `d.steady(on)` of each decoder that has one (`StaticDecoder`): within it, the
-    caller runs none of its user's code between steps, so a compiled decoder checks its packed
-    weights once per kind of step. Other decoders need no such window.
+    """Enters `d.steady(on)` of each decoder that has one (`StaticDecoder.steady`).
 
     Args:
         decoders: `HostDecoder`s (None entries are skipped).
@@ -164,26 +130,21 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
     Args:
         dec: the target `HostDecoder`.
         ids, live: (B, N) prompt and its live mask.
-        sample, warp, gen: sample (else greedy) with the `sampling.Sampler` warp and the
-            generator gen.
+        sample, warp, gen: sample (else greedy) with the `sampling.Sampler` and the generator.
         speculate: k, the most guesses per row and round.
         draft: a `HostDecoder` with the same batch size and vocabulary, or None (prompt lookup).
-        stats: if a dict, gets "rounds" (verify steps), "decodes" (plain decode steps),
-            "accepted" (guesses kept), "proposed" (guesses verified) and "k" (k of each round).
+        stats: a dict gets "rounds" (verify steps), "decodes", "accepted" / "proposed" guesses, "k".
 
     Returns:
         (B, max_new_tokens) int64 new tokens.
     """
-    # Without a streamer none of the caller's code runs between steps: each decoder checks
-    # each kind of step once (`steady`); a streamer's `put` may change anything.
-    with steady([dec, draft], streamer is None):
+    with steady([dec, draft], streamer is None):  # a streamer's `put` runs the caller's code
         return _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer, speculate,
                           draft, stats)
 
 
 def _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer, speculate, draft,
                stats) -> torch.Tensor:
-    """`speculative_generate`'s loop, inside its decoders' `steady` windows."""
     B = dec.batch_size
     kmax = min(speculate, (dec.verify_len or dec.prefill_chunk) - 1, dec.rollback_limit)
     if draft is not None:
@@ -195,23 +156,18 @@ def _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, stre
     if draft is not None:
         draft.reset()
         draft.prefill(ids, live, last_only=True)
-    # WHY Python lists, not the output tensor, until the end: a round appends ~2 tokens per row
-    # and reads the last one back, and each tensor element read or write costs microseconds, a
-    # visible share of what a round of a small model's speculation costs.
+    # WHY Python lists until the end: each tensor element read or write costs microseconds
     rows: list[list[int]] = [[] for _ in range(B)]  # tokens produced per row
     done = [False] * B
-    lookups = []
+    lookups = [PromptLookup(*LOOKUP_NGRAMS) for _ in range(B)]
     for b in range(B):
-        lk = PromptLookup(*LOOKUP_NGRAMS)
-        lk.extend(ids[b][live[b]].tolist())
-        lookups.append(lk)
+        lookups[b].extend(ids[b][live[b]].tolist())
     pending: list[list[int]] = [[] for _ in range(B)]  # tokens the draft has not been fed yet
     streamed = 0
     if streamer is not None:
         streamer.put(ids)
 
     def emit(b: int, toks: list[int]) -> None:
-        """Appends a row's new tokens, up to its EOS or max_new_tokens."""
         for i, t in enumerate(toks):
             rows[b].append(t)
             if (eos is not None and t == eos) or len(rows[b]) == max_new_tokens:

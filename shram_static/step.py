@@ -1,9 +1,7 @@
 """The static step: C tokens per row over fixed-shape state (docs/design.md, "The step").
 
 `step` is the one code path of the decode step (C = 1) and the prefill step (C = prefill_chunk):
-no Python branch on tensor data, no host read-back, no data-dependent shape; state is written
-only with `index_put` at computed 1-D row indices (dead tokens and overflowing slots write to
-sink rows that are never read).
+no Python branch on tensor data, no host read-back, no data-dependent shape.
 """
 
 import torch
@@ -15,10 +13,9 @@ from .reductions import inclusive_cumsum
 from .rows import last_live
 from .state import StaticState, slot_numbers
 
-# WHY each layer is a nested compile region under torch.compile: Inductor then compiles the
-# repeated layer once instead of unrolling every layer into its own C++ (cold compile time
-# scales with depth otherwise). torch.export and the ONNX exporter take the plain method:
-# ExecuTorch's and ONNX's lowering do not take invoke_subgraph.
+# WHY a nested compile region per layer: Inductor compiles the repeated layer once instead of
+# once per layer. torch.export and the ONNX exporter take the plain method: ExecuTorch's and
+# ONNX's lowering do not take invoke_subgraph.
 _layer_step = DecoderLayer.step
 _nested_layer_step = torch.compiler.nested_compile_region(DecoderLayer.step)
 
@@ -30,26 +27,17 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
 
     Args:
         model: `ShramForCausalLM`.
-        state: the state tensors in `StaticState.names()` order (5 per layer); the routing
-            history's rows give N (`StaticState.history`).
+        state: the state tensors in `StaticState.names()` order (5 per layer).
         tokens: (B, C) int64 ids (any value at dead tokens).
         input_pos: (B,) int64 live tokens each row has seen before this step.
         live: (B, C) bool, which tokens are live.
         ring: R, slots of the local ring (window + Nr - 1); C must be <= R - window + 1.
         inplace: mutate `state` (True) or return new tensors (False) (`StepMode`).
         per_token_max: a step of at most this many tokens per row attends per token
-            (`StepMode.per_token`: decode; the compiled verify step of speculative decoding); a
-            longer one (prefill) attends expert by expert. Exported programs use 1: their
-            runtimes copy what a gather picks.
-        last_only: logits at each row's last live token only, (B, 1, V) (transformers'
-            `logits_to_keep=1`): what a prompt's prefill needs, and the lm_head reads its
-            weight for one row instead of C (with a 50k-token vocabulary, the head over 32
-            tokens is about half of a chunk's time on CPU).
-        slots: the first P slots of each expert's cache are what the step attends, given as
-            their numbers `slot_numbers(T)[:P]` ((P,) float32; a length of
-            `state.prefix_lengths`); P at least every live slot of every row after the step
-            (`state.prefix_len`) gives the logits of the whole cache. None: the whole cache
-            (T + 1 slots, the sink masked).
+            (`StepMode.per_token`), a longer one expert by expert.
+        last_only: logits at each row's last live token only, (B, 1, V).
+        slots: (P,) float32 `slot_numbers(T)[:P]`, the first P slots of each expert's cache
+            attended (`state.prefix_len`); None: the whole cache.
 
     Returns:
         logits (B, C, V) (unspecified at dead tokens; (B, 1, V) with `last_only`, unspecified
@@ -81,20 +69,14 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
 
 def context(model, live: torch.Tensor, input_pos: torch.Tensor, ring: int, history: int, mode: StepMode,
             dtype: torch.dtype, slots: torch.Tensor | None = None) -> StepContext:
-    """The tensors every layer of a step reads (`StepContext`), computed once per step.
-
-    Args:
-        model: `ShramForCausalLM`; live, input_pos, ring, slots: as in `step`.
-        history: N, routing-history rows per batch row; dtype: the hidden states' dtype (the
-            embedding may be a quantized table (export.quantize): no .weight to read it from).
-    """
+    """The tensors every layer of a step reads (`StepContext`), once per step; history: N, dtype:
+    the hidden states' (a quantized embedding has no .weight to read it from)."""
     cfg = model.config
     B, C = live.shape
     H, L, K = cfg.num_sliding_window_heads, cfg.num_mosrah_heads, cfg.num_selected_heads
     Wn, W, R, T, N = cfg.window_size, cfg.block_length, ring, cfg.mosrah_cache_length, history
     dev = live.device
     ar_b = torch.arange(B, device=dev)
-    # Positions and local-ring bookkeeping.
     rank = inclusive_cumsum(live, mode.per_token) - 1  # (B, C)
     pos = input_pos[:, None] + rank.clamp(min=0)  # (B, C) position of each live token
     count = input_pos + live.long().sum(1)  # (B,) live tokens after this step
@@ -126,8 +108,7 @@ def context(model, live: torch.Tensor, input_pos: torch.Tensor, ring: int, histo
 
 
 class StepModule(nn.Module):
-    """The in-place step as a module: model weights plus state buffers, for eager,
-    torch.compile and torch.export.
+    """The in-place step as a module (eager, torch.compile, torch.export).
 
     Args:
         model: `ShramForCausalLM`.
@@ -143,9 +124,7 @@ class StepModule(nn.Module):
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor,
                 last_only: bool = False, slots: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (B, C) int64, input_pos (B,) int64, live (B, C) bool -> logits (B, C, V), or
-        (B, 1, V) at each row's last live token with `last_only`, over the sparse slots
-        numbered by `slots` (`step`)."""
+        """tokens (B, C) int64, input_pos (B,) int64, live (B, C) bool -> logits (`step`)."""
         return step(self.model, self.state.tensors(), tokens, input_pos, live, self.state.ring, inplace=True,
                     per_token_max=self.per_token_max, last_only=last_only, slots=slots)[0]
 
@@ -155,8 +134,7 @@ class FunctionalStep(nn.Module):
 
     Args:
         model: `ShramForCausalLM`.
-        state: a `StaticState` giving the ring size and the state order (its buffers are
-            not used).
+        state: a `StaticState` giving the ring size and the state order (not its buffers).
         per_token_max: as in `StepModule`.
         last_only: return the logits at each row's last live token only, (B, 1, V) (`step`).
         prefix: P, the first P sparse slots attended (`step`'s slots); None: all.

@@ -1,10 +1,7 @@
 """Tokenizers: the built-in byte-level tokenizer and checkpoints' own `tokenizer.json`.
 
-`ByteTokenizer` maps UTF-8 bytes to ids 0-255 and adds BOS=256, EOS=257, PAD=258 (vocab 259).
-`ByteTokenizer.save(dir)` writes an HF `tokenizer.json` that encodes and decodes the same way
-(byte-level BPE with no merges, so each byte is one token and id == byte value), readable by
-`tokenizers`, `transformers` and ExecuTorch's runner. `load_tokenizer(dir)` picks a checkpoint's
-`tokenizer.json` when there is one, else the byte tokenizer.
+`ByteTokenizer.save(dir)` writes an HF `tokenizer.json` (byte-level BPE with no merges: id ==
+byte value) that `tokenizers`, `transformers` and ExecuTorch's runner read the same way.
 """
 
 import json
@@ -31,22 +28,15 @@ def bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-# A model for the byte tokenizer may pad its vocabulary (embedding rows) up to the next
-# multiple of this many ids, as models commonly do; the padding ids are never trained.
+# A model for the byte tokenizer may pad its vocabulary up to the next multiple of this (untrained ids).
 BYTE_VOCAB_PADDING = 128
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens: ids 0-255 are the bytes, then BOS, EOS and PAD.
+    """UTF-8 bytes as tokens: ids 0-255 are the bytes, then BOS, EOS and PAD (259 ids).
 
     Args:
-        model_vocab: the model's vocabulary, when padded beyond 259 ids (at most to the next
-            multiple of `BYTE_VOCAB_PADDING`): its padding ids decode to nothing, as an HF
-            tokenizer decodes ids it does not know.
-
-    Attributes:
-        bos_token_id, eos_token_id, pad_token_id: 256, 257, 258.
-        vocab_size: 259.
+        model_vocab: the model's vocabulary, when padded beyond 259 ids: padding ids decode to nothing.
     """
 
     bos_token_id = 256
@@ -83,9 +73,7 @@ class ByteTokenizer:
         specials = [(BOS_TOKEN, self.bos_token_id), (EOS_TOKEN, self.eos_token_id),
                     (PAD_TOKEN, self.pad_token_id)]
         return {
-            "version": "1.0",
-            "truncation": None,
-            "padding": None,
+            "version": "1.0", "truncation": None, "padding": None,
             "added_tokens": [
                 {"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
                  "normalized": False, "special": True}
@@ -126,12 +114,11 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A checkpoint's `tokenizer.json` (via `transformers.PreTrainedTokenizerFast`) behind the
-    `ByteTokenizer` interface.
+    """A checkpoint's `tokenizer.json` (`transformers.PreTrainedTokenizerFast`) behind the
+    `ByteTokenizer` interface, special tokens from its `tokenizer_config.json` or else guessed.
 
-    Special tokens come from the directory's `tokenizer_config.json` when present (its
-    `bos_token`/`eos_token`/`pad_token`), else from the BOS of the `tokenizer.json`
-    post-processor template and the added special tokens whose names say bos/eos/pad.
+    Args:
+        directory: the checkpoint directory.
     """
 
     def __init__(self, directory):
@@ -192,8 +179,7 @@ def _special_tokens_from_config(directory: str) -> dict:
 
 
 def _guess_special_tokens(spec: dict) -> dict:
-    """bos/eos/pad from a bare tokenizer.json: the post-processor's leading special token is
-    BOS; added special tokens whose text names bos/eos/pad fill the rest."""
+    """bos (the post-processor's leading special token), eos, pad (added tokens so named)."""
     out = {}
     post = spec.get("post_processor") or {}
     procs = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
@@ -217,9 +203,8 @@ def _guess_special_tokens(spec: dict) -> dict:
 
 
 class TokenIdsOnly:
-    """No tokenizer: a model served by token ids alone (`serve --token-ids-only`).
-
-    `encode` raises; `decode` gives '' (the ids themselves are the output).
+    """No tokenizer: a model served by token ids alone (`serve --token-ids-only`); `encode` raises,
+    `decode` gives ''.
 
     Args:
         vocab_size: the model's vocabulary size.
@@ -247,13 +232,10 @@ def load_tokenizer(directory=None, config=None):
 
     Args:
         directory: a checkpoint directory, or None.
-        config: the model's config (anything with `vocab_size`), to check that the byte
-            tokenizer covers it: 259 ids, padded to at most the next multiple of
-            `BYTE_VOCAB_PADDING` (384).
+        config: anything with `vocab_size`, which the byte tokenizer must fit (259 to 384 ids).
 
     Raises:
-        ValueError: `tokenizer.json` cannot be read, or the byte tokenizer (no `tokenizer.json`)
-            does not fit the model's vocabulary; the message says how to supply one.
+        ValueError: `tokenizer.json` cannot be read, or the byte tokenizer does not fit the model.
     """
     if directory is not None and os.path.isfile(os.path.join(os.fspath(directory), TOKENIZER_FILE)):
         return HFTokenizer(directory)

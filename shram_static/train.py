@@ -1,13 +1,9 @@
 """`shram-static train`: trains a byte-level SHRAM on a text corpus with the uncached forward.
 
-AdamW, linear warm-up then cosine decay to `min_lr_ratio * lr`, gradient-norm clipping,
-periodic validation, checkpoints in the original layout (`config.json` + `model.safetensors`)
-plus `train_state.pt` (optimizer, step, every RNG) so `--resume` continues exactly, and
-`train_log.json` / `loss.png` (the run's record and its loss curve).
-
-Runs unchanged under `torchrun --nproc_per_node N`: DistributedDataParallel (gloo on CPU, nccl
-on GPU), the global batch split evenly across ranks, so the loss curve is the single-process one.
-Batches are a pure function of (seed, step) (`data.BatchSampler`).
+AdamW, linear warm-up then cosine decay, gradient clipping, periodic validation; checkpoints in
+the original layout plus `train_state.pt` (optimizer, step, every RNG) so `--resume` continues
+exactly, and `train_log.json` / `loss.png`. Under `torchrun --nproc_per_node N` it runs DDP with
+the global batch split across ranks, so the loss curve is the single-process one.
 """
 
 import argparse
@@ -45,11 +41,8 @@ def lr_at(step: int, hp: dict) -> float:
 
 
 def training_config(config):
-    """The config the weights are trained under: `inference_sequence_length` set to the
-    training length, i.e. YaRN scale s = 1. WHY: YaRN extends RoPE *after* training at
-    C_train; training with s > 1 would rotate positions <= C_train by the interpolated
-    frequencies and leave C_train..C_target unseen. The saved checkpoint keeps the target
-    length (the RoPE tables are not weights, so the same weights serve both configs)."""
+    """`config` with YaRN scale s = 1 (inference length = training length): YaRN extends RoPE
+    after training, and the RoPE tables are not weights, so the checkpoint keeps the target."""
     from .config import ShramConfig
     d = config.to_dict()
     d["inference_sequence_length"] = config.training_sequence_length
@@ -57,8 +50,7 @@ def training_config(config):
 
 
 def build_config(spec: str | None, seq_len: int | None):
-    """ShramConfig from the recipe, updated by `spec` (a JSON file path or an inline JSON
-    object) and `seq_len` (training_sequence_length)."""
+    """The recipe's ShramConfig updated by `spec` (a JSON file or object) and `seq_len`."""
     from .config import ShramConfig
     fields = dict(RECIPE_CONFIG)
     if spec:
@@ -175,8 +167,8 @@ def _subset(windows, n: int):
 
 
 def save_checkpoint(out: str, model, config, optimizer, step: int, hp: dict, log: dict) -> None:
-    """Writes config.json + model.safetensors (fp32, the target config), train_state.pt and
-    the log/curve, each file replaced atomically (a kill mid-save leaves the previous one)."""
+    """Writes the checkpoint (target config), train_state.pt and the log/curve, each file replaced
+    atomically (a kill mid-save leaves the previous one)."""
     import torch
     tmp = os.path.join(out, ".saving")
     os.makedirs(tmp, exist_ok=True)
@@ -197,7 +189,7 @@ def save_checkpoint(out: str, model, config, optimizer, step: int, hp: dict, log
 
 
 def plot_curve(log: dict, path: str) -> None:
-    """Training loss (mean per logging interval) and validation loss against tokens seen."""
+    """Training and validation loss against tokens seen."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -213,12 +205,11 @@ def plot_curve(log: dict, path: str) -> None:
     if log["val"]:
         ax.plot([r["tokens"] / 1e6 for r in log["val"]], [r["loss"] for r in log["val"]],
                 "o-", ms=3, label="validation (hamlet, tempest, sonnets)")
-    ax.set_xlabel("training tokens (millions)")
-    ax.set_ylabel("cross-entropy (nats per byte)")
+    ax.set(xlabel="training tokens (millions)", ylabel="cross-entropy (nats per byte)",
+           title="SHRAM byte model on Shakespeare")
     ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
     ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title("SHRAM byte model on Shakespeare")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -277,15 +268,14 @@ def train(args) -> int:
     val_all = (torch.cat([w[0] for w in val_all]), torch.cat([w[1] for w in val_all]))
     val_some = _subset(val_all, args.val_windows)
 
-    # Weights live in a model built with the training config (YaRN s = 1, see training_config);
-    # the target config is what checkpoints record.
+    # the weights train under YaRN s = 1 (`training_config`); checkpoints record the target config
     tconfig = training_config(config)
     net = ShramForCausalLM(tconfig)
     if model is not None:
         net.load_state_dict(model.state_dict())
     net.to(dist.device).train()
-    decay = [p for n, p in net.named_parameters() if p.dim() >= 2]
-    keep = [p for n, p in net.named_parameters() if p.dim() < 2]
+    decay = [p for p in net.parameters() if p.dim() >= 2]
+    keep = [p for p in net.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": hp["weight_decay"]},
                              {"params": keep, "weight_decay": 0.0}],
                             lr=hp["lr"], betas=(0.9, hp["beta2"]))
@@ -306,8 +296,7 @@ def train(args) -> int:
     def loss_fn(x, y):
         return F.cross_entropy(ddp(x).logits.float().flatten(0, 1), y.flatten())
     if args.compile:
-        # Fuses the dense N x N masking/softmax of the uncached forward (faster on CPU);
-        # not fullgraph: the input checks read tensor values (a graph break, harmless here).
+        # not fullgraph: the input checks read tensor values (a graph break, harmless here)
         loss_fn = torch.compile(loss_fn)
         accelerators.prepare_compile(dist.device.type)  # its C++ built a few files at a time
 
@@ -373,8 +362,7 @@ def train(args) -> int:
 
 
 def write_builtin(checkpoint: str, dest: str | None = None) -> None:
-    """Copies a finished run into the package as the built-in model: bf16 weights, the config,
-    the loss curve and the run's record (its log without the optimizer state).
+    """Copies a finished run into the package as the built-in model (bf16 weights, log and curve).
 
     Args:
         checkpoint: a `shram-static train --out` directory.

@@ -2,6 +2,8 @@
 the shortest length that holds every row's live slots, and the logits are those of the whole
 cache (the float64 oracle's); compiled, one graph serves every length."""
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -119,6 +121,9 @@ def test_warm_up_changes_no_state_and_bad_kinds_are_refused():
         StaticDecoder(model, compile=("decode", "everything"))
     with pytest.raises(ValueError, match="verify_len"):
         StaticDecoder(model, verify_len=None).warm_up(("verify",))
+    with pytest.raises(ValueError, match="kinds are"), mock.patch.object(fresh, "_run") as run:
+        fresh.warm_up(("decode", "decoder"))  # refused before any step runs
+    run.assert_not_called()
 
 
 def test_bench_refuses_depths_past_the_capacity(capsys):

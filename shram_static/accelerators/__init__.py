@@ -1,9 +1,9 @@
-"""Accelerators: every speed-up that patches or re-implements a private internal of torch,
-ExecuTorch or onnxscript, each registered with the releases it was verified on (`registry.py`).
-Where one is off (another release, `SHRAM_STATIC_STOCK`, `set_stock(True)`, `stock()`), the
-stock path runs: the same program, the same tokens. What each buys: docs/performance.md.
-
-The rest of the package reaches them through these names only, each wrapping a whole stage:
+"""Accelerators: every speed-up that patches or re-implements a private internal of torch, ExecuTorch
+or onnxscript, registered with the releases it was verified on (`registry.py`). Where one is off
+(another release, `SHRAM_STATIC_STOCK`, `set_stock(True)`, `stock()`), the stock path runs: the same
+program, the same tokens. What each buys: docs/performance.md. Importing this imports neither torch
+nor ExecuTorch (each name is imported when first used). The rest of the package reaches them through
+these names only, each wrapping a whole stage:
   * `set_stock`, `stock`, `enabled`, `check_versions`: the switches and the version check;
   * `prepare_compile(device_type)`: once, when a compiled step is built (nothing per call);
   * `dynamic_length(t)`: once per compiled step, before its first call;
@@ -12,7 +12,6 @@ The rest of the package reaches them through these names only, each wrapping a w
   * `run_jobs(...)`, `lower_in_parallel(...)`: independent jobs in forked processes;
   * `onnx_export()`: the block around `torch.onnx.export`;
   * `share_packed_weights()`: before a `.pte` is loaded (XNNPACK's weight cache).
-Importing it imports neither torch nor ExecuTorch: each name is imported when first used.
 """
 
 import contextlib
@@ -20,8 +19,8 @@ import importlib
 
 from .registry import UnsupportedVersionError, check_versions, enabled, set_stock, stock  # noqa: F401
 
-_LAZY = {"share_packed_weights": "backend_options", "lower_in_parallel": "edge_transfer", "run_jobs": "forked",
-         "export_and_lower": "one_trace", "onnx_export": "onnx_rules"}  # name -> the module defining it
+_LAZY = {"share_packed_weights": "backend_options", "lower_in_parallel": "edge_transfer",
+         "run_jobs": "forked", "export_and_lower": "one_trace", "onnx_export": "onnx_rules"}
 
 
 def __getattr__(name: str):
@@ -31,9 +30,9 @@ def __getattr__(name: str):
 
 
 def prepare_compile(device_type: str = "cpu") -> None:
-    """Readies this process for `torch.compile`, once a compiled step is built: where verified,
-    Inductor's vector-ISA check starts in a background thread (`device_type` "cpu"), and every
-    later Dynamo compile builds its C++ kernels a few files at a time. Idempotent."""
+    """Readies this process for `torch.compile` when a compiled step is built (idempotent): where
+    verified, Inductor's vector-ISA check starts in a background thread (`device_type` "cpu") and
+    every later Dynamo compile builds its C++ kernels a few files at a time."""
     from . import cpu_isa, kernel_builds
 
     if device_type == "cpu":
@@ -42,10 +41,9 @@ def prepare_compile(device_type: str = "cpu") -> None:
 
 
 def dynamic_length(t=None) -> bool:
-    """Marks dim 0 of `t` (a compiled step's `slots` input, before the step's first call) a
-    dynamic size for Dynamo, so one graph serves every prefix length; with `t` None, only says
-    whether it would. False where the accelerator is off: the caller then keeps one length
-    (the whole cache), the stock step. Guards Inductor adds on the size are kept (`maybe_`)."""
+    """Marks dim 0 of `t` (a compiled step's `slots`, before its first call) dynamic for Dynamo
+    (`maybe_`: Inductor's guards on it kept), so one graph serves every prefix length; with `t`
+    None only says whether it would. False where off: the caller keeps one length (the whole cache)."""
     if not enabled("dynamic_prefix"):
         return False
     if t is not None:
@@ -58,8 +56,8 @@ def dynamic_length(t=None) -> bool:
 @contextlib.contextmanager
 def lowering():
     """Within the block, ExecuTorch's lowering stages do only the work whose result is kept
-    (`recompiles`, `edge_passes`, `partitioning`): the stock lowering's program, byte for byte.
-    Each patch owns what it replaces, so they are entered in any order."""
+    (`recompiles`, `edge_passes`, `partitioning`): the stock program, byte for byte. Each patch
+    owns what it replaces, so they are entered in any order."""
     from .edge_passes import edge_program_passes, needed_xnnpack_passes_only
     from .partitioning import faster_partitioning
     from .recompiles import lazy_recompiles

@@ -1,13 +1,10 @@
-"""ExecuTorch runtime backend options that its Python bindings give no way to set.
-
-`share_packed_weights()` turns on the XNNPACK backend's weight cache before a program is
-loaded: the methods of a `.pte`, and programs loaded later, then share one packed copy of each
-weight instead of one per delegate. WHY: XNNPACK packs every constant weight when a delegate is
-initialised, so a three-method program held three packed copies (docs/performance.md, "`.pte`").
-The runtime's public C++ `set_option` is not exposed to Python; it is called through ctypes on
-the library the bindings load (ExecuTorch 1.5.1 ships it as `lib/libexecutorch.so`), read back
-with `get_option`, and any failure leaves the stock behaviour. The cache is keyed by content
-hashes of the weights, so programs of different models never share a weight.
+"""ExecuTorch runtime backend options that its Python bindings give no way to set:
+`share_packed_weights()` turns on XNNPACK's weight cache before a program is loaded, so a `.pte`'s
+methods (and later programs) share one packed copy of each weight. WHY: XNNPACK packs every constant
+weight per delegate (docs/performance.md, "`.pte`"). The runtime's public C++ `set_option` is not
+exposed to Python: it is called through ctypes on the library the bindings load (ExecuTorch 1.5.1's
+`lib/libexecutorch.so`), read back with `get_option`; any failure leaves the stock behaviour. The
+cache is keyed by content hashes, so programs of different models never share a weight.
 """
 
 import ctypes
@@ -50,8 +47,7 @@ def _call(fn, opt: _BackendOption) -> int:
 
 
 def weight_cache_enabled() -> bool:
-    """Whether the XNNPACK backend's weight cache is on in this process (False where the
-    runtime's `get_option` cannot be reached)."""
+    """Whether XNNPACK's weight cache is on in this process (False where `get_option` is unreachable)."""
     try:
         opt = _BackendOption(key=KEY)
         return _call(getattr(_runtime_library(), _GET), opt) == 0 and opt.index == 0 and opt.value[0] == 1
@@ -60,10 +56,9 @@ def weight_cache_enabled() -> bool:
 
 
 def share_packed_weights() -> bool:
-    """Turns the XNNPACK weight cache on for this process, once, where the accelerator
-    `xnnpack_weight_cache` is enabled; returns whether it is on. Programs loaded before the
-    first call keep their own packed weights; once on, it stays on for the process (a later
-    `SHRAM_STATIC_STOCK` or `set_stock(True)` does not turn it off)."""
+    """Turns XNNPACK's weight cache on for this process, once, where `xnnpack_weight_cache` is
+    enabled; returns whether it is on. Programs loaded before the first call keep their own packed
+    weights; once on, it stays on (a later `SHRAM_STATIC_STOCK` or `set_stock(True)` does not undo it)."""
     global _state
     if _state is not None or not enabled("xnnpack_weight_cache"):
         return bool(_state)
@@ -73,8 +68,9 @@ def share_packed_weights() -> bool:
         opt.value[0], opt.index = 1, 0  # bool true
         err = _call(getattr(_runtime_library(), _SET), opt)
         _state = err == 0 and weight_cache_enabled()
-        if not _state:
-            log.debug("XNNPACK weight cache not enabled (set_option returned %d); each method packs its own weights", err)
+        why = f"set_option returned {err}"
     except (OSError, AttributeError, ImportError) as e:
-        log.debug("XNNPACK weight cache not enabled (%s); each method packs its own weights", e)
+        why = e
+    if not _state:
+        log.debug("XNNPACK weight cache not enabled (%s); each method packs its own weights", why)
     return _state

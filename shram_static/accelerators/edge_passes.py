@@ -1,15 +1,14 @@
-"""What ExecuTorch's lowering of a SHRAM step runs, less the work whose result is thrown away:
-XNNPACK's `preprocess` and ExecuTorch's edge passes skip the passes that cannot change the
-graph (`needed_xnnpack_passes_only`, `edge_program_passes`), and `to_edge`'s per-operator
-conversions run in one re-trace (`edge_program_passes`). The program is the stock lowering's
-(tests/test_accelerators.py compares the bytes). Each runs only where its accelerator is on.
+"""ExecuTorch's lowering of a SHRAM step less the work whose result is thrown away: XNNPACK's
+`preprocess` and ExecuTorch's edge passes skip the passes that cannot change the graph, and
+`to_edge`'s per-operator conversions run in one re-trace. The program is the stock lowering's
+(tests/test_accelerators.py compares the bytes); each runs only where its accelerator is on.
 """
 
 import contextlib
 
 import torch
 
-from .registry import enabled
+from .registry import enabled, patched
 
 
 def pass_name(p) -> str:
@@ -19,7 +18,8 @@ def pass_name(p) -> str:
 
 # ATen-to-edge passes that rewrite one operator call at a time (each only overrides
 # `call_operator`, ending in `super().call_operator`), in the order `to_edge` runs them.
-_PER_OP_EDGE_PASSES = ("ScalarToTensorPass", "RemoveMixedTypeOperators", "OpReplacePass", "MemoryFormatOpsPass")
+_PER_OP_EDGE_PASSES = ("ScalarToTensorPass", "RemoveMixedTypeOperators", "OpReplacePass",
+                       "MemoryFormatOpsPass")
 
 
 def _op_name(node) -> str:
@@ -28,9 +28,8 @@ def _op_name(node) -> str:
 
 
 def _pass_triggers() -> dict:
-    """Pass name -> predicate on a node: the pass (XNNPACK's `preprocess`, ExecuTorch's ATen-to-edge
-    and edge-to-ExecuTorch passes) can change the graph only if some node satisfies it (read off
-    each pass's source in the verified ExecuTorch releases)."""
+    """Pass name -> predicate on a node: the pass (XNNPACK's, ExecuTorch's edge passes) can change the
+    graph only if some node satisfies it (read off each pass's source in the verified releases)."""
     from executorch.backends.xnnpack.utils.quant_utils import is_dequant, is_quant
     from executorch.exir.passes.dim_order_ops_registry import MemoryFormatOpsMap
     from executorch.exir.passes.legalize_portable_dim_order_pass import LegalizePortableDimOrderPass
@@ -51,15 +50,13 @@ def _pass_triggers() -> dict:
         v = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
         return isinstance(v, torch.Tensor) and tuple(v.dim_order()) != tuple(range(v.dim()))
 
-    dim_order_ops = {getattr(op, "__name__", str(op)) for op in MemoryFormatOpsMap}
+    batch_norm = named("aten.native_batch_norm.default", "aten._native_batch_norm_legit_no_training.default")
     return {
         "ConvertToUpsampleBilinear2d": named("aten.upsample_bilinear2d.vec"),
         # Every pattern of partition/graphs/sdpa.py holds logical_not (its boolean-mask handling).
         "ConvertToSDPAPass": named("aten.logical_not.default"),
-        "FuseBatchNormPass": named("aten.native_batch_norm.default",
-                                   "aten._native_batch_norm_legit_no_training.default"),
-        "DecomposeBatchNorm": named("aten.native_batch_norm.default",
-                                    "aten._native_batch_norm_legit_no_training.default"),
+        "FuseBatchNormPass": batch_norm,
+        "DecomposeBatchNorm": batch_norm,
         "Conv1dUnsqueezePass": named("aten.convolution.default"),
         "PReLUReshapePass": named("aten._prelu_kernel.default"),
         "RemoveGetItemPass": named("aten.max_pool2d_with_indices.default", "aten.max.dim"),
@@ -67,7 +64,7 @@ def _pass_triggers() -> dict:
         "DecomposeConcatenate": lambda n: _op_name(n) == "aten.cat.default" and len(n.args[0]) > 5,
         # Only copies metadata onto quantize/dequantize nodes.
         "PropagateCustomMetaPass": lambda n: n.op == "call_function" and (is_quant(n) or is_dequant(n)),
-        "DimOrderOpsRevertPass": lambda n: _op_name(n) in dim_order_ops,
+        "DimOrderOpsRevertPass": named(*{getattr(op, "__name__", str(op)) for op in MemoryFormatOpsMap}),
         # Folds a call only when every argument is a real tensor; in its re-trace every placeholder
         # is fake, so folding starts at a call without graph inputs (a creation op) or never.
         "ConstPropPass": lambda n: n.op == "call_function" and not n.all_input_nodes,
@@ -91,9 +88,8 @@ def _pass_triggers() -> dict:
 
 
 def needed_xnnpack_passes(graph_module: torch.fx.GraphModule, passes: list) -> list:
-    """The XNNPACK pass classes of `passes` that can change `graph_module` (an XNNPACK partition
-    in edge dialect): those without a trigger in `_pass_triggers`, and those with one that some
-    node satisfies; in their order."""
+    """The XNNPACK pass classes of `passes` that can change `graph_module` (an edge-dialect partition),
+    in order: those without a trigger in `_pass_triggers` or with one that some node satisfies."""
     triggers, nodes = _pass_triggers(), list(graph_module.graph.nodes)
     return [p for p in passes if p.__name__ not in triggers or any(map(triggers[p.__name__], nodes))]
 
@@ -103,30 +99,24 @@ def needed_xnnpack_passes_only():
     """Within the block, XNNPACK's `preprocess` runs on each partition only the passes of its
     default list that can change that partition (`needed_xnnpack_passes`).
 
-    WHY: `preprocess` runs all 17 of its passes on every partition, each re-tracing it with fake
-    tensors whether or not it holds anything the pass rewrites; a SHRAM step has no convolution,
-    batch norm, PReLU, upsampling, pooling or SDPA. ExecuTorch's llama export cuts the same cost
-    the same way (pytorch/executorch#1893); the pass list is the only hook, so the default list is
-    filtered where it is built.
+    WHY: each pass re-traces every partition with fake tensors whether or not it holds what the pass
+    rewrites (a SHRAM step has no convolution, batch norm, PReLU, upsampling, pooling or SDPA); as
+    ExecuTorch's llama export does (pytorch/executorch#1893), the list is filtered where it is built.
     """
     if not enabled("needed_xnnpack_passes"):  # off: the stock path
         yield
         return
-    from executorch.backends.xnnpack import _passes
+    from executorch.backends.xnnpack._passes import XNNPACKPassManager
 
-    cls = _passes.XNNPACKPassManager
-    init = cls.__init__
+    init = XNNPACKPassManager.__init__
 
     def filtered_init(self, exported_program, passes=None):
         init(self, exported_program, passes)
         if not passes:
             self.passes = needed_xnnpack_passes(exported_program.graph_module, self.passes)
 
-    cls.__init__ = filtered_init
-    try:
+    with patched(XNNPACKPassManager, __init__=filtered_init):
         yield
-    finally:
-        cls.__init__ = init
 
 
 class _GatedPass:
@@ -144,17 +134,13 @@ class _GatedPass:
 
 
 def _view_ops_to_copies_in_place(graph_module) -> bool | None:
-    """What torch's `ReplaceViewOpsWithViewCopyOpsPass` does to a graph without higher-order ops,
-    as a change of targets in place: every ATen view op becomes its `_copy` variant.
+    """torch's `ReplaceViewOpsWithViewCopyOpsPass` as a change of targets in place (each ATen view op
+    becomes its `_copy` variant); returns whether any node changed, None if left for the stock pass.
 
-    Node values keep the views' strides until the fused re-trace recomputes them; before it only
-    `to_edge`'s `RemoveToCopyPass` reads a stride (it drops a same-dtype `_to_copy` whose input
-    and output strides agree), and decides the same on the views' values unless the input is a
-    view that is not dense or the `_to_copy` asks for a layout. A graph with such a `_to_copy`,
-    or with a higher-order op, is left untouched.
-
-    Returns:
-        Whether any node changed; None if the graph was left for the stock pass.
+    WHY safe: node values keep the views' strides until the fused re-trace; before it only `to_edge`'s
+    `RemoveToCopyPass` reads a stride (dropping a same-dtype `_to_copy` whose input and output strides
+    agree), and decides the same unless the input is a non-dense view or the `_to_copy` asks for a
+    layout. A graph with such a `_to_copy`, or with a higher-order op, is left untouched.
     """
     from torch._export.passes.replace_view_ops_with_view_copy_ops_pass import (
         _NON_FUNCTIONAL_OPS_TO_FUNCTIONAL_OPS, get_view_copy_of_view_op)
@@ -182,20 +168,16 @@ def _view_ops_to_copies_in_place(graph_module) -> bool | None:
 
 @contextlib.contextmanager
 def edge_program_passes():
-    """Within the block, ExecuTorch's ATen-to-edge conversion (`to_edge`) and edge-to-ExecuTorch
-    passes (`to_executorch`) skip the passes that cannot change the graph (`_pass_triggers`;
-    accelerator `needed_edge_passes`), and `to_edge` runs its four per-operator conversion passes
-    in one re-trace of each method instead of four (`one_edge_conversion_trace`).
+    """Within the block, `to_edge` and `to_executorch` skip the passes that cannot change the graph
+    (`_pass_triggers`; accelerator `needed_edge_passes`), and `to_edge` runs its four per-operator
+    conversion passes in one re-trace per method (`one_edge_conversion_trace`).
 
-    WHY the skips: each of those passes is an `ExportPass` that re-traces every node with fake
-    tensors to rewrite a few ops a static SHRAM step does not hold (`aten.t`, a SymInt argument).
-    WHY the fusion: the four (`_PER_OP_EDGE_PASSES`) each re-trace every node to rewrite single
-    calls, each overriding only `call_operator` (ending in `super().call_operator`), so one class
-    deriving from all four, in `to_edge`'s order, applies them to each call in turn. The
-    clean-ups `to_edge` runs between the first two match nothing a scalar turned into a tensor
-    makes, so they run first. Torch's view-to-copy pass becomes a change of targets in place.
-    Every attribute of ExecuTorch's `_program` both touch is replaced here only, from the stock
-    functions read on entry (neither depends on what another patch replaced); restored on exit.
+    WHY the skips: each such pass is an `ExportPass` re-tracing every node with fake tensors to rewrite
+    a few ops a static SHRAM step lacks (`aten.t`, a SymInt argument). WHY the fusion: the four
+    (`_PER_OP_EDGE_PASSES`) each re-trace every node and override only `call_operator`, so one class
+    deriving from all four, in `to_edge`'s order, applies them to each call in turn; the clean-ups
+    between the first two match nothing a scalar turned into a tensor makes, so they run first. The
+    `_program` attributes are replaced here only, from the stock ones read on entry; restored on exit.
     """
     gate, fuse = enabled("needed_edge_passes"), enabled("one_edge_conversion_trace")
     if not (gate or fuse):  # off: the stock path
@@ -203,8 +185,7 @@ def edge_program_passes():
         return
     from executorch.exir.program import _program
 
-    names = ("_get_aten_to_edge_passes", "edge_to_executorch_passes", "_generate_edge_program")
-    stock = {n: getattr(_program, n) for n in names}
+    stock = {n: getattr(_program, n) for n in ("_get_aten_to_edge_passes", "edge_to_executorch_passes")}
     triggers = _pass_triggers() if gate else {}
 
     def gated(passes):
@@ -217,22 +198,17 @@ def edge_program_passes():
     def to_executorch(*args, **kwargs):
         return gated(stock["edge_to_executorch_passes"](*args, **kwargs))
 
-    patches = {"_get_aten_to_edge_passes": aten_to_edge, "edge_to_executorch_passes": to_executorch} if gate else {}
+    patches = {"_get_aten_to_edge_passes": aten_to_edge, "edge_to_executorch_passes": to_executorch}
+    patches = patches if gate else {}
     if fuse:
-        patches["_generate_edge_program"] = _fused_generate(_program, stock["_generate_edge_program"], aten_to_edge)
-    for n, f in patches.items():
-        setattr(_program, n, f)
-    try:
+        patches["_generate_edge_program"] = _fused_generate(_program, aten_to_edge)
+    with patched(_program, **patches):
         yield
-    finally:
-        for n in patches:
-            setattr(_program, n, stock[n])
 
 
-def _fused_generate(_program, generate, aten_to_edge):
-    """ExecuTorch's `_generate_edge_program` (`generate`) with the per-operator passes of the
-    list `aten_to_edge` gives fused into one pass and the view-to-copy pass done in place
-    (`_generate_edge_program` reads the pass classes and list when it runs: swapped per call)."""
+def _fused_generate(_program, aten_to_edge):
+    """`_program._generate_edge_program` with `aten_to_edge`'s per-operator passes fused and the view-to-copy
+    pass done in place (it reads the pass classes and list when it runs: swapped per call)."""
     from torch._export.passes import ReplaceViewOpsWithViewCopyOpsPass
     from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
@@ -240,6 +216,8 @@ def _fused_generate(_program, generate, aten_to_edge):
     from executorch.exir.passes.remove_mixed_type_operators import RemoveMixedTypeOperators
     from executorch.exir.passes.replace_aten_with_edge_pass import OpReplacePass
     from executorch.exir.passes.scalar_to_tensor_pass import ScalarToTensorPass
+
+    generate = _program._generate_edge_program
 
     class AlreadyApplied(PassBase):
         def call(self, graph_module):
@@ -260,15 +238,9 @@ def _fused_generate(_program, generate, aten_to_edge):
         bases = (ScalarToTensorPass, RemoveMixedTypeOperators, OpReplacePass)
         if not config._skip_dim_order:  # to_edge runs MemoryFormatOpsPass only then
             bases += (MemoryFormatOpsPass,)
-        swap = {"_get_aten_to_edge_passes": without_fused, "OpReplacePass": type("FusedEdgeConversionPass", bases, {}),
-                "MemoryFormatOpsPass": AlreadyApplied, "ReplaceViewOpsWithViewCopyOpsPass": ViewOpsToCopiesInPlace}
-        saved = {n: getattr(_program, n) for n in swap}
-        for n, v in swap.items():
-            setattr(_program, n, v)
-        try:
+        with patched(_program, _get_aten_to_edge_passes=without_fused, MemoryFormatOpsPass=AlreadyApplied,
+                     OpReplacePass=type("FusedEdgeConversionPass", bases, {}),
+                     ReplaceViewOpsWithViewCopyOpsPass=ViewOpsToCopiesInPlace):
             return generate(config, *args, **kwargs)
-        finally:
-            for n, v in saved.items():
-                setattr(_program, n, v)
 
     return generate_fused

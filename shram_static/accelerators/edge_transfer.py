@@ -1,10 +1,9 @@
-"""A lowered edge program (XNNPACK delegates included) to a picklable value and back, so a
-method lowered in a forked process (`forked.run_jobs`) joins the program emitted here.
-
-ExecuTorch's serializer (`executorch.exir.serde`) carries the graph, the delegates' bytes,
-named data and original modules; `requires_grad` (which the emitter writes) travels beside it.
-The emitted program is the one lowering here gives, but for where memory planning places
-tensors of equal size (an order hashed by object identity, not fixed between processes).
+"""A lowered edge program (XNNPACK delegates included) to a picklable value and back, so a method
+lowered in a forked process (`forked.run_jobs`) joins the program emitted here. ExecuTorch's
+serializer (`exir.serde`) carries the graph, delegates' bytes, named data and original modules;
+`requires_grad` (the emitter writes it) travels beside it. The emitted program is the one lowering
+here gives, but for where memory planning places tensors of equal size (an order hashed by object
+identity, not fixed between processes).
 """
 
 import logging
@@ -27,12 +26,10 @@ def _lowered_modules(ep) -> dict:
 
 
 def edge_program_to_value(ep) -> tuple:
-    """An edge `ExportedProgram` as a picklable value (`edge_program_from_value` reverses it).
-
-    The delegates' named data and their original modules' tensors travel beside the serialized
-    program. WHY: the serializer writes them as base64 inside nested JSON, several times their
-    size (gigabytes of peak memory); it sees them on the meta device, and `ep` is restored after.
-    """
+    """An edge `ExportedProgram` as a picklable value (`edge_program_from_value` reverses it). The
+    delegates' named data and original modules' tensors travel beside the serialized program. WHY: the
+    serializer writes them as base64 inside nested JSON, several times their size; it sees them on the
+    meta device, and `ep` is restored after."""
     from executorch.exir.serde.serialize import serialize
 
     lowered, data = _lowered_modules(ep), {}
@@ -65,14 +62,13 @@ def _put_back(lowered: dict, data: dict) -> None:
                     d[k] = tensors[k]
 
 
-# Registered as the accelerator `parallel_lowering` (registry.py): `forked.run_jobs`
-# lowers in one process where it is off.
+# `forked.run_jobs` lowers in one process where the accelerator `parallel_lowering` is off.
 edge_program_to_value.accelerator = "parallel_lowering"
 
 
 def lower_in_parallel(jobs: dict, parallel: bool = True) -> dict:
-    """`run_jobs` of jobs that each return a lowered edge `ExportedProgram` (sent back from a
-    forked process as `edge_program_to_value`; all in this process where `parallel_lowering` is off)."""
+    """`run_jobs` of jobs each returning a lowered edge `ExportedProgram` (sent back from a forked
+    process as `edge_program_to_value`; all here where `parallel_lowering` is off)."""
     return run_jobs(jobs, edge_program_to_value, edge_program_from_value, parallel)
 
 
@@ -82,8 +78,8 @@ def edge_program_from_value(value: tuple):
     from executorch.exir.serde.serialize import deserialize
 
     fields, flags, data = value
-    # WHY the filter: a method with a dynamic size (the slots of a prefix step) logs, per
-    # symbol of its shape environment that no graph node names, a warning that changes nothing
+    # WHY the filter: a method with a dynamic size (a prefix step's slots) logs a warning that
+    # changes nothing per symbol of its shape environment that no graph node names
     log = logging.getLogger("executorch.exir.serde.export_serialize")
     quiet = lambda record: "did not appear in the graph" not in record.getMessage()  # noqa: E731
     log.addFilter(quiet)

@@ -1,8 +1,7 @@
-"""Independent export jobs (one per method or graph) in forked processes, one per CPU.
-
-Lowering is single-threaded Python, and a program's methods are lowered independently until
-they are emitted together. A forked child starts with the parent's memory (the model, the
-patches of the enclosing `with` blocks) and sends back its result as bytes.
+"""Independent export jobs (one per method or graph) in forked processes, one per CPU. WHY: lowering
+is single-threaded Python, and a program's methods are lowered independently until emitted together.
+A forked child starts with the parent's memory (the model, the patches of the enclosing `with`
+blocks) and sends back its result as bytes.
 """
 
 import os
@@ -19,7 +18,6 @@ from .registry import enabled
 
 
 def usable_cpus() -> int:
-    """CPUs this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # no sched_getaffinity (macOS, Windows)
@@ -33,7 +31,7 @@ def can_fork() -> bool:
 
 
 def _child(job: Callable, encode: Callable, out_path: str) -> None:
-    """Runs in the forked child: the job's encoded result, or its traceback, into `out_path`."""
+    """In the forked child: the job's encoded result, or its traceback, into `out_path`."""
     # WHY one thread: GNU OpenMP's thread pool does not survive a fork (a parallel region in the
     # child would wait on the parent's workers), and the parent keeps the other core busy.
     torch.set_num_threads(1)
@@ -46,18 +44,15 @@ def _child(job: Callable, encode: Callable, out_path: str) -> None:
 
 
 def run_jobs(jobs: dict, encode: Callable, decode: Callable, parallel: bool = True) -> dict:
-    """Runs `jobs` (name -> zero-argument callable) and returns name -> result, in order.
-
-    With `parallel` and `can_fork()`, the first job runs here and the next ones, one per other
-    usable CPU, in forked children; a child's result travels as `encode(result)` (pickled
-    through a file) and comes back as `decode(...)`. A child that fails (an exception, a crash,
-    the OOM killer) is reported with a warning and its job run again here.
+    """Runs `jobs`: with `parallel` and `can_fork()`, the first here and the next ones, one per other
+    usable CPU, in forked children, each result pickled through a file as `encode(result)` and
+    `decode`d here. A failed child (an exception, a crash, the OOM killer) is reported with a
+    warning and its job run again here.
 
     Args:
-        jobs: name -> callable; each must not depend on another job's side effects.
-        encode: result -> a picklable value, run in the child. One that carries an
-            `accelerator` attribute (`edge_transfer.edge_program_to_value`: ExecuTorch
-            internals) is used only where that accelerator is on; elsewhere the jobs run here.
+        jobs: name -> zero-argument callable; none may depend on another's side effects.
+        encode: result -> a picklable value, run in the child; one with an `accelerator` attribute
+            (private internals) is used only where that accelerator is on, else the jobs run here.
         decode: that value -> result, run here.
         parallel: False runs every job here, one after another (half the peak memory).
 

@@ -1,14 +1,11 @@
 """The C++ kernels of one compiled step built as a few files, not one file each.
 
-Inductor's Python wrapper builds every C++ kernel as its own shared library
-(`AsyncCompile.cpp_pybinding(argtypes, source)`: one g++ run each), and each run pays a fixed
-cost, most of it instantiating the templates of `cpp_prefix.h`: with a cold compile cache a
-large share of a step's build time. While `batched_builds()` is entered, the kernels one wrapper
-module asks for are collected and built, when first needed, as `compile_threads` files of
-about equal size, each entry renamed `kernel_<i>` and bound by Inductor's own template, through
-Inductor's `CppPythonBindingsCodeCache` (same flags, same on-disk cache). A kernel that does not
-allow the renaming, or a file that fails to build, is built as Inductor builds it.
-`hook_compiles()` enters it for every Dynamo compile, so it acts only while something compiles.
+WHY: Inductor builds each C++ kernel as its own library (`AsyncCompile.cpp_pybinding`: one g++ run
+each, its fixed cost mostly instantiating `cpp_prefix.h`'s templates). Within `batched_builds()`
+(entered for every Dynamo compile by `hook_compiles()`), a wrapper module's kernels are built when
+first needed as `compile_threads` files of about equal size through Inductor's
+`CppPythonBindingsCodeCache` (same flags, same cache); a kernel that resists the renaming to
+`kernel_<i>`, or a file that fails to build, is built as Inductor builds it.
 """
 
 import contextlib
@@ -31,8 +28,8 @@ _hook = None  # (start, end): the Dynamo callbacks of hook_compiles(), once made
 
 @contextlib.contextmanager
 def batched_builds():
-    """Within this context, the C++ kernels of each graph Inductor compiles are built a few
-    files at a time (where `batched_kernel_builds` is on). Installs the patch on first use; nests."""
+    """Within the block, each compiled graph's C++ kernels are built a few files at a time (where
+    `batched_kernel_builds` is on). Installs the patch on first use; nests."""
     global _depth
     if not enabled("batched_kernel_builds"):
         yield
@@ -48,11 +45,9 @@ def batched_builds():
 
 
 def hook_compiles() -> bool:
-    """Enters `batched_builds()` for the length of every Dynamo compile in this process (its
-    compile start/end callbacks, registered again after a `torch._dynamo.reset()` clears them);
-    returns whether they are in place. WHY Dynamo's callbacks (private): a compile starts inside
-    whatever call first needs it (a first call, failed guards, a lazy backward); wrapping every
-    call would put the context on the per-token path."""
+    """Enters `batched_builds()` for every Dynamo compile here (its start/end callbacks, registered again
+    after `torch._dynamo.reset()`); returns whether they are in place. WHY Dynamo's private callbacks: a
+    compile starts in whatever call first needs it; wrapping every call would put this on the token path."""
     global _hook
     if not enabled("batched_kernel_builds"):
         return False
@@ -64,7 +59,8 @@ def hook_compiles() -> bool:
     with _lock:
         if _hook is None:
             stack = contextlib.ExitStack()  # Dynamo runs start/end for the outermost compile only
-            _hook = lambda _args: stack.enter_context(batched_builds()), lambda _args: stack.close()  # noqa: E731
+            _hook = (lambda _args: stack.enter_context(batched_builds()),  # noqa: E731
+                     lambda _args: stack.close())
         if _hook[0] not in registered:
             handler.register_start_callback(_hook[0])
             handler.register_end_callback(_hook[1])
@@ -74,11 +70,10 @@ def hook_compiles() -> bool:
 def _install() -> None:
     global _original
     with _lock:
-        if _original is not None:
-            return
-        from torch._inductor.async_compile import AsyncCompile
-        _original = AsyncCompile.cpp_pybinding
-        AsyncCompile.cpp_pybinding = _cpp_pybinding
+        if _original is None:
+            from torch._inductor.async_compile import AsyncCompile
+            _original = AsyncCompile.cpp_pybinding
+            AsyncCompile.cpp_pybinding = _cpp_pybinding
 
 
 def _cpp_pybinding(self, argtypes, source_code):
@@ -123,8 +118,7 @@ class _Batch:
         self.items.append((argtypes, source))
         return _future_type()(self, len(self.items) - 1)
 
-    def _inductors(self, i: int):
-        """Kernel i built the way Inductor builds it (a future)."""
+    def _inductors(self, i: int):  # kernel i built as Inductor builds it (a future)
         return _original(self.owner, *self.items[i])
 
     def kernel(self, index: int):
@@ -176,9 +170,8 @@ def split_by_size(sizes: list[int], n: int) -> list[list[int]]:
 
 
 def combined_source(argtypes: list[list[str]], sources: list[str]) -> str | None:
-    """One C++ file holding `sources` (each defining Inductor's entry `kernel`), the i-th entry
-    renamed `kernel_<i>`, and a Python module `kernel` exposing each as `kernel_<i>`, from
-    Inductor's own binding template. None where that template is not the one expected."""
+    """One C++ file of `sources` (each defining Inductor's entry `kernel`, the i-th renamed `kernel_<i>`)
+    and a Python module `kernel` exposing each, from Inductor's binding template (None if unexpected)."""
     from torch._inductor.codecache import CppPythonBindingsCodeCache as C
     parts = [_ENTRY.sub(f"void kernel_{i}(", s, count=1) for i, s in enumerate(sources)]
 
@@ -189,8 +182,7 @@ def combined_source(argtypes: list[list[str]], sources: list[str]) -> str | None
                                         extra_parse_arg=C.extra_parse_arg.format(array_len=-1))
 
     methods, module = "static PyMethodDef py_methods[]", "static struct PyModuleDef py_module"
-    head = module_part = None
-    functions = []
+    head, functions = None, []
     for i, types in enumerate(argtypes):
         s = suffix(f"kernel_{i}", types)
         start = s.find(f"static PyObject* kernel_{i}_py(")

@@ -7,13 +7,12 @@ import logging
 
 import torch
 
-from .registry import enabled
+from .registry import enabled, patched
 
 
 def _lighter(ep):
-    """`ep` without `from_node` provenance and unused `_assert_tensor_metadata` nodes, in place.
-    WHY: every pass deep-copies provenance chains onto the nodes it makes, and re-traces the
-    asserts (one per `.to(dtype)`) until ExecuTorch removes them; neither is the program."""
+    """`ep` without `from_node` provenance and unused `_assert_tensor_metadata` nodes, in place. WHY: every
+    pass deep-copies provenance and re-traces the asserts (one per `.to(dtype)`); neither is the program."""
     target = torch.ops.aten._assert_tensor_metadata.default
     for node in list(ep.graph.nodes):
         node.meta.pop("from_node", None)
@@ -24,17 +23,14 @@ def _lighter(ep):
 
 
 def export_decomposed(mod: torch.nn.Module, args: tuple, decompositions: dict, dynamic_shapes=None):
-    """`torch.export.export(mod, args, strict=False).run_decompositions(decompositions)` in one
-    trace: the module traced straight to functional ATen with `decompositions` applied.
+    """`torch.export.export(mod, args, strict=False).run_decompositions(decompositions)` in one trace.
 
-    WHY: the public flow traces the module to the training IR, then `run_decompositions`
-    traces that whole graph again. This runs what that second trace runs (torch's
-    `_decompose_and_get_gm_with_new_signature_constants`: `_export_to_aten_ir` with the non-CIA
-    decompositions, under `_override_composite_implicit_decomp` for the CIA ones) through
-    torch.export's own non-pre-dispatch path on the module itself, then the same removal of the
-    redundant `copy` a buffer mutation leaves. A module holding tensor subclasses (torchao's
-    quantized weights) takes the public flow's two traces. Under no_grad: in-place writes into
-    buffers computed from parameters that require grad fail in ExecuTorch's passes.
+    WHY: the public flow traces to the training IR, then `run_decompositions` traces the whole graph
+    again. This runs what that second trace runs (`_decompose_and_get_gm_with_new_signature_constants`:
+    `_export_to_aten_ir` with the non-CIA decompositions, under `_override_composite_implicit_decomp`
+    for the CIA ones) through torch.export's non-pre-dispatch path on the module itself, then removes
+    the redundant `copy` a buffer mutation leaves. Under no_grad: in-place writes into buffers computed
+    from parameters that require grad fail in ExecuTorch's passes.
 
     Args:
         mod: the module (in eval mode, its inputs static).
@@ -59,32 +55,26 @@ def export_decomposed(mod: torch.nn.Module, args: tuple, decompositions: dict, d
                                                _split_decomp_table_to_cia_and_python_decomp)
 
     cia, python = _split_decomp_table_to_cia_and_python_decomp(dict(decompositions))
-    to_aten = _trace._export_to_aten_ir
-    _trace._export_to_aten_ir = functools.partial(to_aten, decomp_table=python)
-    try:
-        with torch.no_grad(), _override_composite_implicit_decomp(cia):
-            ep = _trace._export(mod, args, dynamic_shapes=dynamic_shapes, strict=False, pre_dispatch=False)
-    finally:
-        _trace._export_to_aten_ir = to_aten
+    to_aten = functools.partial(_trace._export_to_aten_ir, decomp_table=python)
+    with patched(_trace, _export_to_aten_ir=to_aten), torch.no_grad(), \
+            _override_composite_implicit_decomp(cia):
+        ep = _trace._export(mod, args, dynamic_shapes=dynamic_shapes, strict=False, pre_dispatch=False)
     _remove_unnecessary_copy_op_pass(ep.graph_module, ep.graph_signature)
     return ep
 
 
 def export_and_lower(methods: dict, partitioner, constant_methods: dict, compile_config):
-    """`torch.export.export` of each method, then `executorch.exir.to_edge_transform_and_lower`,
-    with one trace per method for export and decomposition (`export_decomposed`) where the
-    stock call takes four; when that would not give the stock program, the stock calls.
+    """`torch.export.export` of each method, then `executorch.exir.to_edge_transform_and_lower`, with
+    one trace per method (`export_decomposed`) where the stock calls take four; else the stock calls.
 
-    WHY: for a partitioner that checks op support (XNNPACK's), the stock call runs
-    `run_decompositions` three times per method, each a full re-trace after export's own.
-    ExecuTorch's public two-step flow (`to_edge` with `preserve_ops`, then `to_backend`)
-    decomposes once, here fused with the export's trace. It differs only for a kept op the
-    partitioner then rejects (the stock call decomposes it): each kept op is checked with the
-    partitioner's own support check, and any rejection falls back to the stock calls.
+    WHY: for a partitioner that checks op support (XNNPACK's), the stock call runs `run_decompositions`
+    three times per method, each a full re-trace after export's own. ExecuTorch's public two-step flow
+    (`to_edge` with `preserve_ops`, then `to_backend`) decomposes once, here fused with the export's
+    trace. It differs only for a kept op the partitioner then rejects (the stock call decomposes it):
+    each is checked with the partitioner's support check, any rejection falls back to the stock calls.
 
     Args:
-        methods: method name -> (module, example positional inputs) or (module, inputs,
-            dynamic_shapes); strict=False, no_grad.
+        methods: name -> (module, example inputs[, dynamic_shapes]); strict=False, no_grad.
         partitioner: one partitioner for every method.
         constant_methods: as for `to_edge_transform_and_lower`.
         compile_config: an `EdgeCompileConfig` (its `preserve_ops` is extended, not replaced).
@@ -109,8 +99,8 @@ def export_and_lower(methods: dict, partitioner, constant_methods: dict, compile
     config = dataclasses.replace(compile_config, preserve_ops=list(compile_config.preserve_ops) + keep)
     # `to_edge` without its `run_decompositions` (done above, with the same table); read when
     # called, as `to_edge` reads it, so the edge-pass accelerators of `lowering()` apply.
-    edge = EdgeProgramManager({name: _program._generate_edge_program(config, ep, preserve_ops=config.preserve_ops)
-                               for name, ep in programs.items()}, constant_methods, config)
+    edge = EdgeProgramManager({n: _program._generate_edge_program(config, p, preserve_ops=config.preserve_ops)
+                               for n, p in programs.items()}, constant_methods, config)
     for name in programs:
         ep = edge.exported_program(name)
         _, supported = partitioner.ops_to_not_decompose(ep)
@@ -131,8 +121,7 @@ def export_and_lower(methods: dict, partitioner, constant_methods: dict, compile
 
 
 def _stock_lower(methods: dict, partitioner, constant_methods: dict, compile_config):
-    """What `export_and_lower` stands for: `torch.export.export` of each method, then ExecuTorch's
-    `to_edge_transform_and_lower`."""
+    """The stock calls `export_and_lower` stands for."""
     from executorch.exir import to_edge_transform_and_lower
 
     with torch.no_grad():

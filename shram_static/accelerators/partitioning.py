@@ -5,17 +5,14 @@ import contextlib
 
 import torch
 
-from .registry import enabled
+from .registry import enabled, patched
 
 
 def _can_merge_partitions(self, p1, p2, partitions_by_id) -> bool:
-    """`GroupBasedPartitioner._can_merge_partitions` of executorch 1.4-1.5 with the same answer:
-    two partitions merge unless a node outside both, fed by one of them, feeds one of them
-    back (a cycle), checked on the precomputed dependency sets and then on the live graph.
-
-    The stock method tests each external user's downstream set with a Python generator over
-    the whole set; `isdisjoint` asks the same question in C over the smaller set.
-    """
+    """`GroupBasedPartitioner._can_merge_partitions` of executorch 1.4-1.5, same answer: two partitions
+    merge unless a node outside both, fed by one, feeds one back (a cycle), checked on the dependency
+    sets, then on the live graph. WHY: the stock method scans each external user's downstream set in
+    a Python generator; `isdisjoint` asks the same in C over the smaller set."""
     from torch.fx.passes.utils.fuser_utils import validate_partition
 
     combined = set(partitions_by_id[p1].nodes) | set(partitions_by_id[p2].nodes)
@@ -61,16 +58,14 @@ def _legalize_order(gm) -> list:
 
 @contextlib.contextmanager
 def faster_partitioning():
-    """Within the block, ExecuTorch's partitioning of a graph into delegates gives the same
-    partitions and the same graph in time linear, not quadratic, in the partition count.
+    """Within the block, ExecuTorch's partitioning of a graph into delegates gives the same partitions
+    and graph in time linear, not quadratic, in the partition count.
 
     WHY: most of `to_backend` outside XNNPACK's preprocessing was two quadratic steps. (1)
-    `GroupBasedPartitioner` tries to merge every pair of partitions, each try scanning whole
-    downstream sets in a Python generator: `_can_merge_partitions` asks the same with
-    `set.isdisjoint`. (2) after cutting out each delegate, `legalize_graph` copies every node of
-    the graph into a new one and regenerates its code: the same order is applied in place, and
-    the code regenerated once when the block ends (nothing runs the module in between).
-    """
+    `GroupBasedPartitioner` tries to merge every pair of partitions (`_can_merge_partitions`). (2)
+    after cutting out each delegate, `legalize_graph` copies every node into a new graph and
+    regenerates its code: the same order is applied in place, the code regenerated once at the end
+    (nothing runs the module in between)."""
     if not enabled("linear_partitioning"):  # off: the stock path
         yield
         return
@@ -88,12 +83,10 @@ def faster_partitioning():
         touched[id(gm)] = gm
         return gm
 
-    merge, legalize = GroupBasedPartitioner._can_merge_partitions, lbm.legalize_graph
-    GroupBasedPartitioner._can_merge_partitions = _can_merge_partitions
-    lbm.legalize_graph = legalize_in_place
     try:
-        yield
+        with patched(GroupBasedPartitioner, _can_merge_partitions=_can_merge_partitions), \
+                patched(lbm, legalize_graph=legalize_in_place):
+            yield
     finally:
-        GroupBasedPartitioner._can_merge_partitions, lbm.legalize_graph = merge, legalize
         for gm in touched.values():
             gm.recompile()

@@ -3,21 +3,17 @@
 import contextlib
 import weakref
 
-from .registry import enabled
+from .registry import enabled, patched
 
 
 @contextlib.contextmanager
 def lazy_recompiles():
-    """Within the block, `GraphModule.recompile` only marks the module: its Python code is
-    generated when first needed (its forward called, its `code` read) or at the end of the
-    block, whichever comes first.
+    """Within the block, `GraphModule.recompile` only marks the module: its code is generated when first
+    needed (its forward called, its `code` or `recompile()`'s result read) or at the end of the block.
 
-    WHY: ExecuTorch's and XNNPACK's passes recompile after every change and around every pass,
-    but lowering runs graphs through interpreters, never through their generated code. torch's
-    own `_LazyGraphModule` does this only for modules made through `_make_graph_module`, and
-    ExecuTorch makes plain GraphModules. As there, a lazy `forward` recompiles on its first call;
-    at the end of the block every module still pending is recompiled. Inside the block
-    `recompile()` returns a stand-in that generates the `PythonCode` when a caller reads it.
+    WHY: ExecuTorch's and XNNPACK's passes recompile after every change and around every pass, but
+    lowering runs graphs through interpreters, never their generated code. torch's `_LazyGraphModule`
+    does this only for modules made by `_make_graph_module`; ExecuTorch makes plain GraphModules.
     """
     if not enabled("lazy_recompiles"):  # off: the stock path
         yield
@@ -36,8 +32,7 @@ def lazy_recompiles():
         realize(self)
         return self(*args, **kwargs)
 
-    class LazyCode:
-        """What `recompile()` returns in the block: its `PythonCode`, generated on first use."""
+    class LazyCode:  # what `recompile()` returns in the block: its `PythonCode`, made on first use
 
         def __init__(self, gm):
             self.gm, self.code = gm, None
@@ -65,10 +60,9 @@ def lazy_recompiles():
 
     # `code` and `str()` read the generated code (ExecuTorch formats a module into a debug log
     # message whether or not debug logging is on).
-    GraphModule.recompile, GraphModule.code, GraphModule.__str__ = lazy, property(current(code.fget)), current(text)
     try:
-        yield
+        with patched(GraphModule, recompile=lazy, code=property(current(code.fget)), __str__=current(text)):
+            yield
     finally:
-        GraphModule.recompile, GraphModule.code, GraphModule.__str__ = real, code, text
         for gm in list(pending):
             realize(gm)

@@ -1,11 +1,10 @@
-"""The accelerators' registry: each one with the private internals it touches and the releases
-it was verified on; the switches that turn them off; the supported-version check.
+"""The accelerators' registry (the private internals each touches, the releases it was verified
+on), the switches that turn them off, the supported-version check, and `patched` (every patch's
+set-and-restore).
 
-An accelerator runs only where every package it touches is at a release it was verified on;
-anywhere else it stays off, the stock path runs, and one debug-level line says so.
-`SHRAM_STATIC_STOCK=1` (or `set_stock(True)` / `with stock():`) turns every one off;
-`SHRAM_STATIC_STOCK=name,name` turns off the named ones (for measuring one against the stock path).
-
+An accelerator runs only where every package it touches is at a verified release; elsewhere the
+stock path runs and one debug-level line says so. `SHRAM_STATIC_STOCK=1` (or `set_stock(True)`,
+`with stock():`) turns every one off; `SHRAM_STATIC_STOCK=name,name` only the named ones.
 A leaf module: it imports neither torch nor ExecuTorch (versions come from package metadata).
 """
 
@@ -30,9 +29,8 @@ ONNXSCRIPT = ("0.7.2",)
 
 @dataclasses.dataclass(frozen=True)
 class Accelerator:
-    """One accelerator: its name (for `SHRAM_STATIC_STOCK` and `enabled`), where it is applied
-    (module.function of this package), the private internals it touches, and `verified`:
-    distribution -> the releases it was verified on."""
+    """One accelerator: its name (for `SHRAM_STATIC_STOCK`, `enabled`), where it is applied (module.function
+    here), the private internals it touches, and `verified`: distribution -> the verified releases."""
 
     name: str
     where: str
@@ -51,8 +49,7 @@ REGISTRY: dict[str, Accelerator] = {a.name: a for a in [
     _acc("dynamic_prefix", "dynamic_length", "torch._dynamo.maybe_mark_dynamic", torch=TORCH),
     _acc("batched_kernel_builds", "kernel_builds.hook_compiles",
          "torch._inductor.async_compile.AsyncCompile.cpp_pybinding, CppPythonBindingsCodeCache templates; "
-         "torch._dynamo.callback.callback_handler",
-         torch=TORCH),
+         "torch._dynamo.callback.callback_handler", torch=TORCH),
     # .pte lowering (each leaves the program as the stock lowering writes it)
     _acc("one_trace_lowering", "one_trace.export_and_lower",
          "torch.export._trace._export/_export_to_aten_ir; executorch.exir.program._program "
@@ -86,9 +83,8 @@ _stock: bool | None = None  # set_stock's value; None: the environment decides
 
 
 def set_stock(value: bool | None) -> None:
-    """Turns every accelerator off (True), back to the default (False: each where verified), or
-    leaves the choice to `SHRAM_STATIC_STOCK` (None, the default). Takes effect at the next
-    compile or export; a step compiled before keeps what it was compiled with."""
+    """Turns every accelerator off (True), on where verified (False), or leaves the choice to
+    `SHRAM_STATIC_STOCK` (None, the default). A step compiled before keeps what it compiled with."""
     global _stock
     if value is not None and not isinstance(value, bool):
         raise TypeError(f"set_stock takes True, False or None, got {value!r}")
@@ -107,6 +103,19 @@ def stock():
         _stock = before
 
 
+@contextlib.contextmanager
+def patched(owner, **attrs):
+    """Sets `attrs` on `owner` (a module or class) within the block; their previous values after."""
+    saved = {n: getattr(owner, n) for n in attrs}
+    for n, v in attrs.items():
+        setattr(owner, n, v)
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            setattr(owner, n, v)
+
+
 def _env_off(raw: str) -> frozenset | bool:
     """True (all off), or the names `SHRAM_STATIC_STOCK` (`raw`) turns off."""
     raw = raw.strip()
@@ -115,8 +124,7 @@ def _env_off(raw: str) -> frozenset | bool:
     if raw.lower() in ("1", "true", "yes", "on", "all"):
         return True
     names = frozenset(n.strip() for n in raw.split(",") if n.strip())
-    unknown = sorted(names - set(REGISTRY))
-    if unknown:
+    if unknown := sorted(names - set(REGISTRY)):
         _log_once(("env", raw), logging.WARNING, "%s=%r names no accelerator: %s (known: %s)",
                   STOCK_ENV, raw, ", ".join(unknown), ", ".join(REGISTRY))
     return names
@@ -138,16 +146,13 @@ def _log_once(key, level, msg, *args) -> None:
 
 def unverified(name: str) -> list[str]:
     """'torch 2.15.0' for each package the accelerator touches that is not at a verified release."""
-    acc = REGISTRY[name]
-    return [f"{dist} {installed_version(dist)}" for dist, ok in acc.verified.items()
+    return [f"{dist} {installed_version(dist)}" for dist, ok in REGISTRY[name].verified.items()
             if installed_version(dist) not in ok]
 
 
 def enabled(name: str) -> bool:
-    """Whether the accelerator `name` runs here: not turned off (`set_stock`, `stock()`,
-    `SHRAM_STATIC_STOCK`) and every package it touches at a release it was verified on.
-    Decided once per switch setting (`decide`); called when a step compiles or a program is
-    exported, never per token.
+    """Whether the accelerator `name` runs here: not turned off (`set_stock`, `stock()`, the environment)
+    and every package it touches at a verified release. Decided once per switch setting (`decide`).
 
     Raises:
         KeyError: `name` is not registered.
@@ -167,18 +172,17 @@ def decide(name: str, stock_switch: bool | None, env: str) -> bool:
         if off is True or name in off:
             log.debug("accelerator %s off (%s); the stock path runs", name, STOCK_ENV)
             return False
-    bad = unverified(name)
-    if bad:
-        acc = REGISTRY[name]
+    if bad := unverified(name):
+        verified = "; ".join(f"{d} {', '.join(v)}" for d, v in REGISTRY[name].verified.items())
         _log_once((name, "versions"), logging.DEBUG,
-                  "accelerator %s off: %s not among the releases it was verified on (%s); the stock path runs",
-                  name, ", ".join(bad), "; ".join(f"{d} {', '.join(v)}" for d, v in acc.verified.items()))
+                  "accelerator %s off: %s not among the releases it was verified on (%s); "
+                  "the stock path runs",
+                  name, ", ".join(bad), verified)
         return False
     return True
 
 
-# Supported versions (checked when the package is imported): the oldest release of each core
-# dependency, and the newest release line tested.
+# Checked when the package is imported: the oldest release of each core dependency, the newest line tested.
 SUPPORTED = {"torch": ((2, 13), (2, 14)), "executorch": ((1, 4), (1, 5))}
 
 
@@ -203,7 +207,7 @@ def check_versions(versions: dict | None = None) -> list[str]:
         versions: distribution -> version (None: not installed); default the installed ones.
 
     Returns:
-        One line per package newer than the newest release line tested (its accelerators are off).
+        One line per package newer than the newest release line tested (its accelerators off).
 
     Raises:
         UnsupportedVersionError: torch missing, or torch / ExecuTorch older than supported.
@@ -218,8 +222,7 @@ def check_versions(versions: dict | None = None) -> list[str]:
                 raise UnsupportedVersionError(f"shram_static needs torch ({supported_text()}); "
                                               f"none is installed: pip install 'torch>={lo[0]}.{lo[1]}'")
             continue
-        mm = _major_minor(v)
-        if mm is None:
+        if (mm := _major_minor(v)) is None:
             continue  # a development build without a release number: let it run
         if mm < lo:
             raise UnsupportedVersionError(

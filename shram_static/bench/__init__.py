@@ -1,8 +1,5 @@
-"""The benchmark commands: `bench` (`throughput`), `bench-speculative` (`speculative`), their
-arguments (`cli`, parsed without torch), `readings` of the machine and the model, `plot`, and
-the models they run (`throughput.build_model`: the bench config, the built-in model, a
-checkpoint), also reachable as `shram_static.bench.build_model` (imported on first use).
-"""
+"""The benchmark commands: `bench` (`throughput`), `bench-speculative` (`speculative`), `cli`, `readings`,
+`plot`; `throughput`'s names (`build_model`) are reachable here too, imported on first use."""
 
 import importlib
 

@@ -1,6 +1,5 @@
-"""The arguments of `shram-static bench` and `bench-speculative`: parsed without importing
-torch, so `--help` and a bad argument answer at once; each command's module is imported when
-it runs."""
+"""The arguments of `shram-static bench` and `bench-speculative`, parsed without importing torch (so
+`--help` and a bad argument answer at once); each command's module is imported when it runs."""
 
 import argparse
 import json
@@ -37,8 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measurements per backend and context, interleaved across backends")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--plot", metavar="FILE.png", help="plot decode ms/step against context")
-
-
 
 
 def register(subparsers) -> None:

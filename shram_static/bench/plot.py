@@ -1,5 +1,4 @@
-"""The plot of `shram-static bench --plot`: decode time against context per backend, with the
-floors."""
+"""The plot of `shram-static bench --plot`: decode time against context per backend, with floors."""
 
 
 def plot(results: list[dict], path: str) -> None:

@@ -1,5 +1,5 @@
-"""Readings of the machine and of a model that `shram-static bench` turns into its floor and its
-checks: memory read bandwidth, the bytes a decode step must read, peak memory, stolen CPU time."""
+"""Readings of the machine and of a model for `shram-static bench`: memory read bandwidth, the bytes
+a decode step must read, peak memory, stolen CPU time."""
 
 import resource
 import time
@@ -16,8 +16,7 @@ def bandwidth_buffer() -> torch.Tensor:
 
 
 def measure_bandwidth(x: torch.Tensor | None = None, reps: int = 5) -> float:
-    """Best-of-`reps` read bandwidth in bytes/s of `torch.sum` over `x` (default: a new
-    `bandwidth_buffer()`)."""
+    """Best-of-`reps` read bandwidth in bytes/s of `torch.sum` over `x` (default: a new buffer)."""
     x = bandwidth_buffer() if x is None else x
     x.sum()
     best = float("inf")
@@ -29,20 +28,13 @@ def measure_bandwidth(x: torch.Tensor | None = None, reps: int = 5) -> float:
 
 
 def decode_read_bytes(model, batch_size: int, prefill_chunk: int, quantize: str | None = None) -> int:
-    """Bytes one decode step must read: every weight but the embedding table (one row per row
-    of the batch), the K selected experts' weights only, plus the cache rows attended.
+    """Bytes one decode step must read: the weights (B embedding rows, K experts), the cache rows attended.
 
     Args:
         model: the float `ShramForCausalLM` the step was built or exported from.
         batch_size, prefill_chunk: the step's B and C (the local ring holds window + C - 1 slots).
-        quantize: None (float weights), or the export's weight quantization ("int8", "8da4w"):
-            the floor of a quantized step counts each linear weight (every projection, the
-            experts, the lm_head) as stored (`export/quantize.py`): 1 byte per weight and one
-            scale per output channel (int8), or half a byte per weight and one scale per 32
-            inputs (8da4w's int4 layers: input width a multiple of 32, experts excluded; "int4",
-            the `.onnx`'s and the compiled step's: every layer, the experts counted as the
-            `.onnx` stores them).
-            Norms, gates, the router and the state stay in the model's dtype.
+        quantize: None, or the weight quantization ("int8", "8da4w", "int4"): linear weights count
+            as stored (`export/quantize.py`); norms, gates, the router and the state stay float.
     """
     cfg = model.config
     es = next(model.parameters()).element_size()
@@ -50,7 +42,6 @@ def decode_read_bytes(model, batch_size: int, prefill_chunk: int, quantize: str 
     group = 32  # export.quantize.GROUP (not imported: this module sits below the exporters)
 
     def linear(out: int, inp: int, expert: bool = False) -> float:
-        """Bytes of one (out, inp) linear weight as the step stores it."""
         if quantize is None:
             return out * inp * es
         if quantize == "int4" or (quantize == "8da4w" and inp % group == 0 and not expert):
@@ -78,12 +69,8 @@ def decode_read_bytes(model, batch_size: int, prefill_chunk: int, quantize: str 
 
 
 def peak_rss_mib() -> float:
-    """This process's peak resident memory in MiB.
-
-    VmHWM from /proc where there is one: `ru_maxrss` of a process started by fork + exec reports
-    its parent's peak too (Linux keeps it across exec), so every worker of one run read the same
-    ~1.4 GiB (the parent's 1 GiB bandwidth buffer).
-    """
+    """This process's peak resident memory in MiB. WHY VmHWM first: Linux keeps `ru_maxrss` across
+    fork + exec, so a worker would report its parent's peak too."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -95,10 +82,7 @@ def peak_rss_mib() -> float:
 
 
 def cpu_times(path: str = "/proc/stat") -> tuple[int, int] | None:
-    """(steal, total) CPU time of the whole machine in clock ticks from the `cpu` line of
-    /proc/stat (Linux; None elsewhere or if unreadable). Steal is time the hypervisor ran
-    something else while this VM had work: a step of hundreds of fork-join operators (a `.pte`)
-    loses far more to it than a few large kernels (docs/performance.md, "Measuring")."""
+    """(steal, total) CPU time of the whole machine in clock ticks, from /proc/stat (None if unreadable)."""
     try:
         with open(path) as f:
             fields = f.readline().split()
@@ -117,15 +101,12 @@ def steal_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None
     return round((after[0] - before[0]) / (after[1] - before[1]), 3)
 
 
-# Readings further apart than this (max / min) are two memory speeds, not noise: a VM's
-# reading can alternate between two levels, and the steps do not follow it alike
-# (docs/performance.md, "Measuring").
+# Readings further apart than this (max / min) are two memory speeds, not noise
 SPREAD_LIMIT = 1.5
 
 
 def bandwidth_spread(readings: list[float]) -> str | None:
-    """A warning when the bandwidth readings of one run spread beyond SPREAD_LIMIT (max / min),
-    else None.
+    """A warning when the bandwidth readings of one run spread beyond SPREAD_LIMIT (max / min).
 
     Args:
         readings: bytes/s, each from `measure_bandwidth`.

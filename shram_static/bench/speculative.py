@@ -1,17 +1,5 @@
-"""Speculative decoding benchmark: `shram-static bench-speculative`.
-
-For one model and backend at batch 1 it reports, measured in one process and interleaved
-(plain, speculative, plain, ... so the ratios compare runs seconds apart on a shared machine):
-- the cost of one verify step of `--speculate` + 1 tokens against one decode step (median of
-  alternating calls at the same context), through the public methods and as `generate` feeds
-  them (without input checks: the ratio speculation pays per round), and of a decode step run
-  after another (as plain decoding runs them: taking turns with the verify step costs a decode
-  step time);
-- per prompt, greedy tokens/s of plain decoding and of speculative decoding with prompt lookup
-  (same tokens, checked), their ratio, guesses kept per verify step, and the k chosen.
-Prompts: "grounded", a passage followed by its opening again (what quoting, editing and
-summarising look like: the continuation is in the prompt), and "free", a two-word opening.
-"""
+"""`shram-static bench-speculative`: at batch 1, a verify step against a decode step, then plain against
+speculative greedy decoding with prompt lookup, interleaved (docs/performance.md, "Speculative decoding")."""
 
 import contextlib
 import statistics
@@ -28,12 +16,9 @@ PASSAGE = ("Shall I compare thee to a summer's day?\nThou art more lovely and mo
 PROMPTS = {"grounded": PASSAGE + "\n" + PASSAGE[:80], "free": "ROMEO:"}
 
 
-
-
 @contextlib.contextmanager
 def timed_feeds(dec, clock=time.perf_counter):
-    """Within the block, records every `dec.feed` (what `generate`'s loops run after the
-    prompt) as (tokens per row, seconds by `clock`); yields the list it appends to. Nests.
+    """Within the block, records every `dec.feed` as (tokens per row, seconds); yields the list. Nests.
 
     Args:
         dec: a `HostDecoder` (its `feed` is wrapped on the instance for the block).
@@ -59,16 +44,7 @@ def timed_feeds(dec, clock=time.perf_counter):
 
 
 def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> dict:
-    """Median seconds of a decode step and of a verify step of k + 1 tokens at context ctx,
-    alternating (each rolled back, so both run at the same positions), by `clock`:
-    - "decode", "verify": through the public `decode` / `verify` (input checks included);
-    - "fed_decode", "fed_verify": as `generate`'s loops feed them (`HostDecoder.feed` inside
-      the decoder's `steady` window: no input checks, each kind of step checked once). A public
-      call's checks cost the same for both steps, which makes their ratio look smaller than
-      what speculation pays per round;
-    - "after_decode": a public decode step run after another decode step (what plain decoding
-      runs). It differs from "decode" by what taking turns with the verify step costs (the
-      steps' code and buffers evicting each other from the caches)."""
+    """Median seconds of decode and verify steps (k + 1 tokens) at context ctx, alternating, rolled back."""
     import torch
 
     from ..speculative import steady
@@ -111,8 +87,7 @@ def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> di
 
 
 def _split(feeds: list[tuple[int, float]], total: float) -> dict:
-    """Mean seconds per decode step and per wider (verify) step, and what the loop spent
-    outside them, per step (drafting, acceptance, rollback, picking, bookkeeping)."""
+    """Mean seconds per decode step, per verify step, and the loop's own time per step."""
     one = [s for n, s in feeds if n == 1]
     wide = [s for n, s in feeds if n > 1]
     mean = lambda v: sum(v) / len(v) if v else float("nan")
@@ -120,13 +95,7 @@ def _split(feeds: list[tuple[int, float]], total: float) -> dict:
 
 
 def run_prompt(dec, ids: "torch.Tensor", n: int, k: int, rounds: int, clock=time.perf_counter) -> dict:
-    """Plain and speculative greedy generation of n tokens after `ids`, alternating, `rounds`
-    times each, as `generate` runs them without a streamer: medians of tokens/s over the whole
-    call, and after the first new token. The time to the first token (the prompt's prefill
-    and a pick, the same work in both) is timed on its own in each round and subtracted: a
-    streamer noting it would be the caller's code between steps, which makes a compiled
-    decoder check every step (`speculative.steady`). Inside both loops every step fed
-    after the first token is timed as well (`_split`, the median round's)."""
+    """Plain and speculative greedy generation of n tokens, alternating `rounds` times: tokens/s medians."""
     import torch
 
     from ..sampling import Sampler
@@ -144,7 +113,7 @@ def run_prompt(dec, ids: "torch.Tensor", n: int, k: int, rounds: int, clock=time
             got = speculative_generate(dec, ids, live, n, False, Sampler(0), None, None, 0, None, k,
                                        None, stats)  # what generate(speculate=k) runs, its step counts kept
         t2 = clock()
-        with steady([dec]):
+        with steady([dec]):  # the first token's time, apart (a streamer would unsteady a compiled decoder)
             dec.reset()
             dec.prefill(ids, last_only=True).argmax(-1)
         first = clock() - t2
@@ -179,8 +148,7 @@ def bench_speculative(args) -> int:
     k = args.speculate
     if args.threads:
         torch.set_num_threads(args.threads)
-    # CPU time of the process (all its threads): what the steps compute, without the time spent
-    # waiting for a core on a shared machine (use one thread: spinning threads would count).
+    # CPU time of all the process's threads: no waiting for a core (one thread: spinning ones count)
     clock = time.process_time if args.cpu_time else time.perf_counter
     with contextlib.ExitStack() as stack:
         dec = make_decoder(model, args.backend, args.prefill_chunk, stack, verify_len=k + 1)

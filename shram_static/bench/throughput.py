@@ -1,24 +1,6 @@
-"""The `shram-static bench` command (`python -m shram_static.bench`): throughput of every backend.
-
-For each model (the bench config, the built-in model, or a checkpoint), backend
-(eager, compiled, compiled-int8/int4, pte, pte-int8, onnx, onnx-int8/int4) and batch size it
-reports decode ms/step over a range of contexts (64 up to near capacity), prefill tokens/s,
-export or compile warm-up time, artifact size and peak RSS, and each decode time as a ratio to
-compiled torch and to the machine's floor: the bytes a decode step must read divided by the
-memory read bandwidth measured in the same run
-(a shared machine's bandwidth reading swings by 2x between runs, so only same-run ratios compare).
-A quantized backend's floor counts its weights as stored (`readings.decode_read_bytes`), and its
-speed is also given against the float program of the same format (`pte-int8` against `pte`,
-`compiled-int8` against `compiled`).
-
-Every backend runs in a subprocess of its own, so its peak RSS and compile caches are its own;
-an exported backend is exported in one subprocess and run from the file in another, so its peak
-RSS is the runtime's, not the exporter's. The runtimes are loaded one after another and then
-measured interleaved: at each context every backend runs in turn, `--rounds` times, so the
-ratios compare measurements taken minutes apart at most (the machine's speed drifts by tens of
-percent within minutes), and the bandwidth behind the floor is read between those rounds.
-All the runtimes of one run are held in memory at once (idle ones wait on their stdin).
-"""
+"""The `shram-static bench` command (`python -m shram_static.bench`): decode and prefill speed of
+every backend against compiled torch and the floor (the bytes a step reads over the same run's memory
+bandwidth), each backend in worker subprocesses, interleaved (docs/reference.md, "shram-static bench")."""
 
 import contextlib
 import json
@@ -40,9 +22,8 @@ BENCH_CONFIG = dict(vocab_size=50277, embedding_width=512, mlp_width=1366, num_d
                     num_sliding_window_heads=16, num_mosrah_heads=16, num_selected_heads=4,
                     head_dim=16, window_size=128, training_sequence_length=1024,
                     inference_sequence_length=2048)
-# A prompt is prefilled again (after a reset) while its runs so far took under PREFILL_REPEAT_S
-# seconds, PREFILL_RUNS at most, and timed as their median: a single run of a short prompt
-# swings between rounds far more than the backends differ (docs/performance.md, "Measuring").
+# A prompt is prefilled again while its runs took under PREFILL_REPEAT_S s (PREFILL_RUNS at most),
+# timed as their median: one run of a short prompt swings far more than the backends differ.
 PREFILL_REPEAT_S, PREFILL_RUNS = 1.0, 5
 
 
@@ -94,25 +75,21 @@ def export_one(model_name: str, backend: str, batch_size: int, prefill_chunk: in
     path = artifact_path(out_dir, backend)
     t = time.perf_counter()
     b = find_backend(backend)
+    kw = dict(batch_size=batch_size, prefill_chunk=prefill_chunk, quantize=b.quantize)
     if b.runtime == "onnx":
-        files = list(export_onnx(model, path, batch_size=batch_size, prefill_chunk=prefill_chunk,
-                                 quantize=b.quantize).values())
+        files = list(export_onnx(model, path, **kw).values())
     else:
-        files = [export_pte(model, path, batch_size=batch_size, prefill_chunk=prefill_chunk,
-                            quantize=b.quantize)]
-    # (The forked process of a parallel export has a peak of its own, not counted here: Linux
-    # reports a child's `ru_maxrss` from at least the parent's size when it forked.)
+        files = [export_pte(model, path, **kw)]
+    # (a parallel export's forked child has a peak of its own, not counted here: Linux reports a
+    # child's `ru_maxrss` from at least the parent's size when it forked)
     return dict(export_s=round(time.perf_counter() - t, 1),
                 file_mib=round(sum(os.path.getsize(f) for f in files) / 2**20, 1),
                 export_peak_rss_mib=peak_rss_mib())
 
 
 class Runner:
-    """One loaded backend in this process: loads (compiling or reading the file) and warms up on
-    construction, then measures one context per `measure` call.
-
-    Args: as `bench`'s per-job options; `out_dir` holds the exported artifact, if any.
-    """
+    """One backend loaded and warmed up in this process; `measure` times one context.
+    Args: as `bench`'s per-job options; `out_dir` holds the exported artifact, if any."""
 
     def __init__(self, model_name: str, backend: str, batch_size: int, prefill_chunk: int, steps: int,
                  out_dir: str | None = None, capacity: int | None = None, depths: list[int] | None = None):
@@ -128,28 +105,23 @@ class Runner:
         if b.runtime not in EXPORTED:
             dec = StaticDecoder(model, batch_size=B, prefill_chunk=prefill_chunk, compile=b.runtime == "compiled",
                                 quantize=b.quantize)
-        elif b.runtime == "onnx":
-            from ..export import load_onnx
-            dec = load_onnx(artifact_path(out_dir, backend))
         else:
-            from ..export import load_pte
-            dec = load_pte(artifact_path(out_dir, backend))
-        gen = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
+            from ..export import load_onnx, load_pte
+            dec = (load_onnx if b.runtime == "onnx" else load_pte)(artifact_path(out_dir, backend))
+        self.ids = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
         dec.warm_up()  # compiles (compiled: every prefix length, past 4096 slots too)
         self.dec, self.steps = dec, steps
         self.info = dict(model=model_name, backend=backend, batch=B, chunk=prefill_chunk,
                          warmup_s=round(time.perf_counter() - t, 2),
-                         read_bytes=decode_read_bytes(model, B, prefill_chunk, find_backend(backend).quantize),
+                         read_bytes=decode_read_bytes(model, B, prefill_chunk, b.quantize),
                          state_bytes=state_bytes(cfg, B, prefill_chunk), capacity=S,
                          contexts=depths or contexts(S, steps))
 
     def measure(self, ctx: int) -> dict:
-        """Prefills `ctx` tokens per row (a short prompt several times: PREFILL_REPEAT_S), then
-        times `steps` decode steps one by one after the last prefill.
+        """Prefills `ctx` tokens per row, then times `steps` decode steps one by one.
 
         Returns:
-            dict(prefill_s=median seconds for the prompt, decode_s=[seconds per decode step]).
+            dict(prefill_s=median seconds of the prefill, decode_s=[seconds per decode step]).
         """
         runs = []
         while not runs or (len(runs) < PREFILL_RUNS and sum(runs) < PREFILL_REPEAT_S):
@@ -167,12 +139,8 @@ class Runner:
 
 
 def serve(runner_args: list) -> None:
-    """Worker loop: says it has started (its imports are done), waits for a line on stdin, builds
-    a `Runner`, replies with its info, then answers one JSON request per line on stdin
-    ({"context": c} -> `measure(c)`; {"done": true} -> peak RSS, then exits).
-
-    WHY the protocol goes to a duplicate of stdout while fd 1 points at stderr: whatever the
-    libraries print (Python or C) must not interleave with the replies."""
+    """Worker loop: a `Runner` on the first stdin line, then a JSON reply per request line ({"context": c},
+    {"done": true}). WHY replies go to a duplicate of stdout, fd 1 to stderr: library output stays out."""
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -190,9 +158,7 @@ def serve(runner_args: list) -> None:
 
 
 class Worker:
-    """The parent's handle on one `serve` subprocess (one model, backend and batch size).
-
-    The process starts (imports the package) at construction; `load` builds its runtime.
+    """The parent's handle on one `serve` subprocess, started at construction; `load` builds its runtime.
 
     Args:
         args: the worker's command-line options (`--model ... --backend ...`).
@@ -242,9 +208,8 @@ class Worker:
         return self.ask(dict(done=True))
 
     def close(self) -> None:
-        """Waits for a finished worker to exit; kills one that was not asked to finish (an
-        error elsewhere). WHY finish all, then close all: each interpreter's shutdown takes
-        a while, and this way they overlap."""
+        """Waits for a finished worker to exit; kills one not asked to finish (an error elsewhere).
+        WHY finish all, then close all: the interpreters' slow shutdowns overlap."""
         if self.proc.poll() is None:
             if self.finished:
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -258,28 +223,17 @@ class Worker:
 def measure_interleaved(workers: list, rounds: int, bandwidth=None, progress=None) -> tuple[list[dict], list[float]]:
     """Measures every worker at each of its contexts, `rounds` times, interleaved.
 
-    For each context index, each round runs every worker once in turn (in the given order in
-    even rounds, reversed in odd ones), so the backends compared at a context are measured
-    minutes apart at most, on a machine whose speed drifts (a backend's readings minutes apart
-    can differ by tens of percent). Each worker's decode time at
-    a context is the median of all its timed steps over the rounds; prefill, the median prefill.
-    `decode_ms_best` is the lowest of the rounds' own medians: on a machine shared with other
-    work, noise only adds time, and a step of hundreds of small parallel operators (a `.pte`)
-    loses far more to a busy stretch than a few large ones (docs/performance.md, "Measuring").
-    With `bandwidth`, each point also keeps `rounds`: each round's median and the reading taken
-    just before that round, which `add_ratios` pairs (a VM's memory can change speed mid-run).
+    `decode_ms_best` is the lowest round median (noise only adds time); `rounds` pairs them with readings.
 
     Args:
-        workers: objects with `.contexts` (list of ints) and `.measure(ctx) -> dict(prefill_s,
-            decode_s)` (a `Worker`, or a fake in tests).
+        workers: objects with `.contexts` and `.measure(ctx) -> dict(prefill_s, decode_s)`.
         rounds: measurements per worker and context.
-        bandwidth: called once per round of each context (between the workers' turns);
-            its readings are returned, so the floor is measured in the same periods.
+        bandwidth: called once per round of each context, between the workers' turns.
         progress: called with a line of text after each round.
 
     Returns:
         (points per worker: [dict(context, prefill_tok_s, decode_ms, decode_ms_best,
-        decode_tok_s[, rounds=[dict(ms, gb_s)]])], readings).
+        decode_tok_s[, rounds=[dict(ms, gb_s)]])], bandwidth readings).
     """
     points = [[] for _ in workers]
     readings = []
@@ -290,8 +244,7 @@ def measure_interleaved(workers: list, rounds: int, bandwidth=None, progress=Non
         for r in range(rounds):
             if bandwidth is not None:
                 here.append(bandwidth())
-            # forward in even rounds, backward in odd ones: no backend always runs right after
-            # the bandwidth reading or right after the same neighbour
+            # reversed in odd rounds: no backend always runs right after the reading or the same neighbour
             turns = list(zip(workers, got))
             for w, g in (turns if r % 2 == 0 else turns[::-1]):
                 if i < len(w.contexts):
@@ -316,15 +269,9 @@ def measure_interleaved(workers: list, rounds: int, bandwidth=None, progress=Non
 
 
 def add_ratios(results: list[dict], bandwidth: float) -> None:
-    """Adds the floor (`read_bytes` over `bandwidth`: a quantized backend's own, its weights as
-    stored) and, per context point, `x_floor` = decode time / floor (1 is the ideal; for a point
-    with `rounds`, the median of each round's time over the floor of the reading taken just
-    before it, so a round that met the memory's other speed is not held to this floor),
-    `x_compiled` = decode speed / compiled torch's at the same model, batch size and context
-    (above 1: faster than compiled torch; None without a compiled result) and `x_compiled_best`,
-    the same from both backends' best rounds (`measure_interleaved`). A quantized backend's
-    points also get `x_float`: its speed / the float program's of the same format (`pte-int8`
-    against `pte`), None without one."""
+    """Adds `floor_ms` (`read_bytes` / `bandwidth`) and per point `x_floor` (time / floor; with `rounds`, the
+    median of each round against its own reading), `x_compiled`, `x_compiled_best` (speed / compiled torch's
+    at the same context; None without) and, quantized, `x_float` (speed / the float program's)."""
     by_backend = {(r["model"], r["batch"], r["backend"]): r for r in results}
     for r in results:
         r["floor_ms"] = round(1e3 * r["read_bytes"] / bandwidth, 3)
@@ -352,12 +299,10 @@ def _subprocess(args: list[str]) -> dict:
 
 
 def bench(args) -> int:
-    bad = [b for b in args.backends if b not in BACKENDS]
-    if bad:
+    if bad := [b for b in args.backends if b not in BACKENDS]:
         raise ValueError(f"unknown backends {bad}: choose from {BACKENDS}")
-    bad = [m for m in args.models
-           if m not in ("bench", "builtin") and not os.path.isfile(os.path.join(m, "config.json"))]
-    if bad:
+    if bad := [m for m in args.models
+               if m not in ("bench", "builtin") and not os.path.isfile(os.path.join(m, "config.json"))]:
         raise ValueError(f"unknown models {bad}: use 'bench', 'builtin' or checkpoint directories "
                          f"(with a config.json)")
     if any(b < 1 for b in args.batch_sizes) or args.steps < 1 or args.prefill_chunk < 1:
@@ -386,10 +331,7 @@ def bench(args) -> int:
                     info(f"[{i + 1}/{len(jobs)}] exporting model={m} backend={be} batch={b} "
                          f"(minutes for a large model) ...")
                     results[i] = _subprocess(["--worker", "export", *opts[i]])
-            # One worker per job. Their processes start at once (each interpreter's imports,
-            # seconds of CPU, overlap); once all have started, they load one after another
-            # (warm-up times without contention), then idle (blocked on stdin) while the
-            # others run.
+            # the workers start at once (imports overlap), then load one after another (no contention)
             info(f"starting {len(jobs)} benchmark workers ...")
             for i, (m, be, b) in enumerate(jobs):
                 workers.append(Worker(opts[i], f"{m}/{be}/B={b}"))  # appended: killed on error

@@ -1,16 +1,13 @@
 """Deployable artifacts of the static steps: ExecuTorch (`.pte`) and ONNX, and loaders that
 run them behind the `StaticDecoder` API (`prefill`, `decode`, `reset`, `generate`).
 
-Exporters (`pte.py`, `onnx.py`) and runtime loaders (`pte_runtime.py`, `onnx_runtime.py`) are
-separate modules; what both need is in `common.py`. Imports of executorch / onnx / onnxruntime
-happen inside the functions; the four public functions are imported on first use, so importing
-this package imports no torch.
+Exporters (`pte.py`, `onnx.py`) and loaders (`pte_runtime.py`, `onnx_runtime.py`) are separate
+modules sharing `common.py`; the public functions are imported on first use (no torch here).
 """
 
 from ..errors import ExportFormatError
 
-# public name -> the module that defines it, imported on first use (`shram-static export
-# --help` parses without torch)
+# public name -> its module, imported on first use (`shram-static export --help` without torch)
 _LAZY = {"export_pte": ".pte", "load_pte": ".pte_runtime", "export_onnx": ".onnx", "load_onnx": ".onnx_runtime"}
 
 

@@ -11,8 +11,6 @@ from ..backends import quantize_modes
 from ..console import info
 
 FORMATS = ("pte", "onnx", "web")
-# the --quantize modes of each format (the backend table's): the .pte's from torchao, the
-# .onnx's (and the web site's) from onnxruntime
 QUANTIZE = {"pte": quantize_modes("pte"), "onnx": quantize_modes("onnx"), "web": quantize_modes("onnx")}
 
 
@@ -61,23 +59,21 @@ def export_main(args) -> int:
             info(f"note: --quantize {args.quantize} applies to {takers} only; the .{fmt} stays fp32")
         chunk = ("decode only" if args.decode_only else f"prefill chunk {args.prefill_chunk}, "
                  f"{'every' if args.full_logits else 'the last'} token's logits")
-        info(f"exporting {fmt} (batch {args.batch_size}, {chunk}"
-             f"{', ' + quantize if quantize else ''}); "
+        info(f"exporting {fmt} (batch {args.batch_size}, {chunk}{', ' + quantize if quantize else ''}); "
              f"lowering can take minutes ...")
+        suffix = f".{quantize}" if quantize else ""
         if fmt == "web":
             paths = export_web(model, tok, args.out, None if args.decode_only else args.prefill_chunk,
                                parallel=args.parallel, full_logits=args.full_logits, quantize=quantize)
             site = (*PAGE_FILES, *RUNTIME_FILES, COI_FILE)
             files = [*paths.values(), *(os.path.join(args.out, f) for f in site)]
         elif fmt == "pte":
-            suffix = f".{quantize}" if quantize else ""
             files = [export_pte(model, f"{stem}{suffix}.pte", batch_size=args.batch_size,
                                 prefill_chunk=None if args.decode_only else args.prefill_chunk,
                                 quantize=quantize, eos_token_id=eos, bos_token_id=tok.bos_token_id,
                                 quantize_embedding=args.quantize_embedding, parallel=args.parallel,
                                 full_logits=args.full_logits, prefix_decode=args.prefix_decode)]
         else:
-            suffix = f".{quantize}" if quantize else ""
             paths = export_onnx(model, f"{stem}{suffix}.onnx", batch_size=args.batch_size,
                                 prefill_chunk=None if args.decode_only else args.prefill_chunk,
                                 eos_token_id=eos, parallel=args.parallel, full_logits=args.full_logits,

@@ -13,12 +13,9 @@ from ..state import prefix_lengths
 from ..validation import check_verify_len
 
 PTE_FORMAT = "shram_static.pte/1"
-# file_identifier of the ExecuTorch flatbuffer (bytes 4..8 of every .pte written by 1.x).
-PTE_MAGIC = b"ET12"
+PTE_MAGIC = b"ET12"  # file_identifier of the ExecuTorch flatbuffer (bytes 4..8)
 ONNX_FORMAT = "shram_static.onnx/1"
-# The input of an exported step that numbers the sparse slots it attends: (P,) float32
-# `slot_numbers(T)[:P]`, P a bounded dynamic size (`export_prefix_lengths`).
-SLOTS_INPUT = "slots"
+SLOTS_INPUT = "slots"  # (P,) float32 `slot_numbers(T)[:P]`: the sparse slots a step attends
 
 
 def check_export_args(cfg: ShramConfig, batch_size, prefill_chunk, eos_token_id, bos_token_id=None, *,
@@ -39,13 +36,8 @@ def check_export_args(cfg: ShramConfig, batch_size, prefill_chunk, eos_token_id,
 
 
 def export_copy(model: nn.Module) -> nn.Module:
-    """A copy of `model` in eval mode, every parameter and buffer contiguous, with the expert
-    weights in the exported step's fused layout (`fuse_experts_`).
-
-    WHY: exporting (and quantizing) must not touch the caller's model, and a caller may hand
-    in transposed or sliced weights; the exporters and XNNPACK's weight serialisation are only
-    exercised on the default row-major layout.
-    """
+    """A copy of `model` in eval mode, every parameter and buffer contiguous (the layout the
+    exporters are exercised on), with the experts fused (`fuse_experts_`)."""
     m = copy.deepcopy(model).eval()
     with torch.no_grad():
         for t in list(m.parameters()) + list(m.buffers()):
@@ -55,12 +47,8 @@ def export_copy(model: nn.Module) -> nn.Module:
 
 
 def graph_paths(path, verify: bool = False) -> dict[str, str]:
-    """The files of one export: {"decode": m.onnx, "prefill": m.prefill.onnx, "data": m.onnx.data},
-    and with `verify` also "verify": m.verify.onnx (an export with a verify step).
-
-    Args:
-        path: the decode graph's path (`m.onnx`).
-    """
+    """The files of one export of `path` (`m.onnx`): {"decode": m.onnx, "prefill": m.prefill.onnx,
+    "data": m.onnx.data}, with `verify` also {"verify": m.verify.onnx}."""
     path = os.fspath(path)
     stem = path[:-5] if path.endswith(".onnx") else path
     out = {"decode": path, "prefill": stem + ".prefill.onnx", "data": path + ".data"}
@@ -70,16 +58,14 @@ def graph_paths(path, verify: bool = False) -> dict[str, str]:
 
 
 def export_prefix_lengths(cfg: ShramConfig, lengths=None) -> tuple[int, ...]:
-    """The prefix lengths an export's steps attend of each expert's sparse cache (the runners
-    pick one per step, as `StaticDecoder` does): the steps take them as one input of bounded
-    dynamic size, `slots` (P,) with lengths[0] <= P <= T.
+    """The prefix lengths of each expert's sparse cache an export's steps attend (`slots` (P,),
+    lengths[0] <= P <= T; the runners pick one per step).
 
     Args:
         cfg: the model config (T = `mosrah_cache_length`).
-        lengths: None: `state.prefix_lengths(cfg)` (powers of two from 64 up to half the
-            cache), the last the T real slots (no live slot is ever past T - 1; the sink, slot
-            T, is never attended). Else ascending ints in [2, T]; T is added when missing.
-            () or a single length T: whole-cache steps, no `slots` input.
+        lengths: None: powers of two from 64 up to half the cache (`state.prefix_lengths`),
+            then T. Else ascending ints in [2, T]; T is added when missing. () or (T,):
+            whole-cache steps, no `slots` input.
 
     Returns:
         the lengths, ascending, the last T; () for whole-cache steps.

@@ -1,27 +1,11 @@
 """ONNX export of the static steps as pure functions (`export_onnx`); `onnx_runtime.py` runs them.
 
-Files for `export_onnx(model, "m.onnx", ...)`:
-  * `m.onnx`: the decode graph (C = 1), a complete model on its own;
-  * `m.prefill.onnx`: the prefill graph (C = prefill_chunk); none with `prefill_chunk=None`
-    (decode only: prompts then go token by token through the decode graph). Its logits are
-    each row's last live token's, [B, 1, V], unless exported with `full_logits=True`;
-  * `m.verify.onnx`: with `verify_len`, the verify graph (C = verify_len: speculative
-    decoding's last token and guesses);
-  * `m.onnx.data`: the weights of all graphs, stored once (external data, deduplicated by content).
-Each graph is `(input_ids [B, C] int64, position_ids [B] int64, live [B, C] bool,
-past.<name>...) -> (logits [B, C, V], present.<name>...)` (the prefill graph's logits as said
-above) over the state tensors of `StaticState.names()`; `position_ids` is the number of live
-tokens each row holds before the call (the position of its first live token). An export with
-prefix lengths (the default where the sparse caches are long enough: `prefix_lengths`) takes
-`slots [P] float32` after `live`, the numbers of the first P slots of each expert's cache the
-step attends (`step.step`), P a dynamic dimension. The model config
-and the export parameters are JSON strings in `metadata_props` (`shram_config`, `shram_export`).
-
-WHY pure functions: the dynamo exporter turns in-place buffer mutations into constant
-initializers and drops the updates without a warning (the graph would forget its state).
-WHY two graphs in sibling files: each step has fixed shapes (static graphs are the point), so
-one graph per C; `m.onnx` stays a plain single-step model any ONNX tool can open, and the shared
-data file keeps the weights on disk once.
+`export_onnx(model, "m.onnx")` writes `m.onnx` (decode, C = 1), `m.prefill.onnx` (unless
+`prefill_chunk=None`), `m.verify.onnx` (with `verify_len`) and `m.onnx.data` (the weights of all
+graphs, stored once). Each graph is `(input_ids [B, C], position_ids [B], live [B, C][, slots
+[P]], past.<name>...) -> (logits, present.<name>...)`; the config and export parameters are JSON
+in `metadata_props` (`shram_config`, `shram_export`). WHY pure functions: the dynamo exporter
+drops in-place buffer updates without a warning. See docs/reference.md and docs/design.md.
 """
 
 import functools
@@ -45,8 +29,7 @@ _ALIGN = 64  # byte alignment of each tensor in the shared data file
 
 
 class _SlotsStep(FunctionalStep):
-    """The pure step over the first P sparse slots of each expert's cache, numbered by its
-    input: `(tokens, input_pos, live, slots (P,) float32, *state) -> (logits, *new_state)`."""
+    """The pure step over the first P sparse slots of each expert's cache (`slots` (P,) float32)."""
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor, slots: torch.Tensor,
                 *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -56,11 +39,9 @@ class _SlotsStep(FunctionalStep):
 
 
 def _export_graph(fn: FunctionalStep, state: StaticState, C: int, lengths: tuple[int, ...] = ()):
-    """torch.onnx.export (dynamo, opset 23) of the pure step for chunk length C, its RMSNorms,
-    RoPEs and max trees fused (`onnx_fusions`); returns the ModelProto. With `lengths` (a
-    `_SlotsStep`), the graph takes `slots` [P], lengths[0] <= P <= lengths[-1], after `live`.
-    WHY a required input, without a default (an initializer of its name): onnxruntime's
-    IOBinding, which the runners need for the state, cannot bind an overridable initializer."""
+    """torch.onnx.export (dynamo, opset 23, ops fused by `onnx_fusions`) of the step for chunk C;
+    with `lengths`, `slots` [P] is a required input (WHY: IOBinding cannot bind an overridable
+    initializer)."""
     from .onnx_fusions import OPSET, fuse_onnx_ops  # imports onnxscript: only when exporting
 
     B = state.batch_size
@@ -70,13 +51,11 @@ def _export_graph(fn: FunctionalStep, state: StaticState, C: int, lengths: tuple
             torch.ones(B, C, dtype=torch.bool), *([slots] if lengths else []), *[t.clone() for t in state.tensors()])
     dynamic = None
     if lengths:  # tokens, input_pos, live, slots, the state (*state: one entry)
-        # WHY {} (static) and not None for each state tensor: torch.onnx.export takes a tuple of
-        # Nones for one tensor's axes and turns it into a list, which torch.export then rejects
+        # WHY {} and not None per state tensor: torch.onnx.export turns a tuple of Nones into a
+        # list, which torch.export rejects
         dynamic = (None, None, None, {0: torch.export.Dim("P", min=lengths[0], max=lengths[-1])},
                    ({},) * len(names))
-    # WHY torch.onnx's logs at ERROR only: on every export its registry warns once per
-    # torchvision operator it skips where torchvision is not installed (a SHRAM step calls
-    # none); a failed export still raises
+    # WHY torch.onnx's logs at ERROR only: its registry warns per torchvision operator it skips
     with torch.no_grad(), accelerators.onnx_export(), without_leafspec_notice(), quiet_loggers("torch.onnx"):
         prog = torch.onnx.export(
             fn, args, dynamo=True, optimize=True, verbose=False, opset_version=OPSET,
@@ -91,11 +70,7 @@ def _export_graph(fn: FunctionalStep, state: StaticState, C: int, lengths: tuple
 
 def _externalize(models: list, data_path: str, min_bytes: int = 1024) -> None:
     """Moves the initializers of `models` (>= min_bytes) into ONE data file, each distinct
-    tensor stored once; rewrites the protos to reference it.
-
-    WHY by content, not by name: the exporter folds transposed weights into constants with
-    generated names (`val_14`), which differ between the two graphs even for the same weight.
-    """
+    tensor once. WHY by content: the exporter's generated names differ between graphs."""
     import onnx
     from onnx import numpy_helper
     from onnx.external_data_helper import set_external_data
@@ -112,8 +87,7 @@ def _externalize(models: list, data_path: str, min_bytes: int = 1024) -> None:
                 raw = np.ascontiguousarray(arr).tobytes()
                 key = hashlib.sha256(raw + str((arr.dtype, arr.shape)).encode()).digest()
                 if key not in where:
-                    pad = (-f.tell()) % _ALIGN
-                    f.write(b"\0" * pad)
+                    f.write(b"\0" * ((-f.tell()) % _ALIGN))
                     where[key] = (f.tell(), len(raw))
                     f.write(raw)
                 offset, length = where[key]
@@ -132,33 +106,23 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
 
     Args:
         model: a `ShramForCausalLM` (not modified).
-        path: the decode graph's path, `m.onnx`; `m.prefill.onnx` and `m.onnx.data` go beside it.
+        path: the decode graph's path, `m.onnx`; the other files go beside it.
         batch_size: B rows per call.
-        prefill_chunk: C tokens per prefill call; None writes no prefill graph (decode only,
-            half the export work) and removes a `m.prefill.onnx` an earlier export left there.
+        prefill_chunk: C tokens per prefill call; None: no prefill graph (decode only), and a
+            `m.prefill.onnx` an earlier export left there is removed.
         eos_token_id: stored in the metadata; the loaded decoder's `generate` stops on it.
-        parallel: export the decode graph in a forked process while this one exports the
-            prefill graph (Linux, two or more usable CPUs; the same graphs; up to twice the
-            peak memory). False: one process.
-        verify_len: also write `m.verify.onnx`, the step of verify_len tokens per row
-            (speculative decoding), and build the state to roll back max(prefill_chunk,
-            verify_len) tokens (`rollback_limit` in the metadata). None: no verify graph;
-            rollback up to prefill_chunk still works.
-        full_logits: the prefill graph returns every token's logits, [B, C, V], as evaluation
-            (perplexity) needs. Default False: only each row's last live token's, [B, 1, V],
-            which is all generation reads, and the lm_head then runs on B rows instead of
-            B x C (the same default as ExecuTorch's llama export, `generate_full_logits`).
-        quantize: None (float weights), "int8" or "int4": every graph's MatMuls with a constant
-            weight become onnxruntime `MatMulNBits` (block-wise, symmetric, blocks of 32 inputs;
-            `onnx_quantize.py`); the metadata (`shram_export`) records the mode and how many.
-        quantize_embedding: with quantize="int4", the token embedding too (int4 rows,
-            `GatherBlockQuantized`).
+        parallel: export the decode graph in a forked process (Linux, 2+ CPUs; same graphs, up
+            to twice the peak memory).
+        verify_len: also write `m.verify.onnx` of verify_len tokens per row (speculative
+            decoding), and build the state to roll back max(C, verify_len) tokens.
+        full_logits: the prefill graph returns every token's logits [B, C, V] (for scoring
+            text), not only each row's last live token's [B, 1, V].
+        quantize: None, "int8" or "int4": MatMuls with a constant weight become `MatMulNBits`
+            (blocks of 32 inputs; `onnx_quantize.py`).
+        quantize_embedding: with quantize="int4", the token embedding too (`GatherBlockQuantized`).
         prefix_lengths: the prefix lengths of the sparse caches the graphs attend
-            (`common.export_prefix_lengths`; default powers of two from 64, then the whole
-            cache; () for whole-cache graphs): every graph takes one more input, `slots` [P]
-            float32 (`slot_numbers(T)[:P]`, P a dynamic size; `slot_numbers(T)[:T]` is the whole
-            cache), and `load_onnx` picks the shortest length holding every row's live slots.
-            Recorded in the metadata (`prefix_lengths`).
+            (`common.export_prefix_lengths`; () for whole-cache graphs): every graph takes
+            `slots` [P] float32, P a dynamic size.
 
     Returns:
         The paths written, as `graph_paths(path, verify)` (without "prefill" when decode only).
@@ -176,16 +140,14 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
     model = export_copy(model)
     dtype = next(model.parameters()).dtype
     state = StaticState(cfg, batch_size, C, dtype=dtype, rollback_limit=verify_len)
-    # Every step of more than one token (verify too) attends expert by expert, as in
-    # `export_pte` (WHY there: onnxruntime's Gather copies the gathered caches as well).
+    # Steps of more than one token attend expert by expert, as in `export_pte` (Gather copies too).
     kind = _SlotsStep if lengths else FunctionalStep
     fn = kind(model, state).eval()
     fn_last = kind(model, state, last_only=True).eval()
     paths = graph_paths(path, verify=True)
     os.makedirs(os.path.dirname(os.path.abspath(paths["decode"])), exist_ok=True)
     export_id = uuid.uuid4().hex  # ties the files of one export together
-    # With `parallel`, the decode graph is exported in a forked process while this one exports
-    # the (larger) prefill graph (shram_static/export/forked.py); a graph travels back as bytes.
+    # With `parallel`, the decode graph is exported in a forked process; it travels back as bytes.
     chunks = {"decode": 1} if prefill_chunk is None else {"decode": 1, "prefill": C}
     if verify_len is not None:
         chunks["verify"] = verify_len
@@ -203,18 +165,16 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
                          "quantized_embedding": quantize_embedding}
         meta = {"format": ONNX_FORMAT, "role": role, "roles": list(chunks), "export_id": export_id,
                 "quantize": quantize, **quantized, "batch_size": batch_size, "prefill_chunk": C, "chunk": c,
-                "state_names": state.names(),
-                "rollback_limit": state.rollback_limit, "verify_len": verify_len, "full_logits": full_logits,
-                "eos_token_id": eos_token_id, "dtype": str(dtype).replace("torch.", ""),
-                "prefix_lengths": list(lengths)}
+                "state_names": state.names(), "rollback_limit": state.rollback_limit,
+                "verify_len": verify_len, "full_logits": full_logits, "eos_token_id": eos_token_id,
+                "dtype": str(dtype).replace("torch.", ""), "prefix_lengths": list(lengths)}
         onnx.helper.set_model_props(m, {"shram_config": cfg.to_json_string(use_diff=False),
                                          "shram_export": json.dumps(meta)})
         models[role] = m
     _externalize(list(models.values()), paths["data"])
     for role, m in models.items():
         onnx.save(m, paths[role])
-        # the path form of the checker also reads the external data file
-        onnx.checker.check_model(paths[role], full_check=True)
+        onnx.checker.check_model(paths[role], full_check=True)  # by path: reads the data file too
     for role in ("prefill", "verify"):
         if role not in chunks and os.path.exists(paths[role]):
             os.remove(paths[role])  # another export's graph: it must not pass for this one's

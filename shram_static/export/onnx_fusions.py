@@ -1,18 +1,11 @@
-"""Fewer, larger nodes in the exported ONNX graphs: a step's RMSNorms, RoPE rotations and
-max trees rewritten into the opset-23 ops onnxruntime runs as one kernel each.
+"""Fewer, larger nodes in the exported ONNX graphs: a step's RMSNorms, RoPE rotations and max
+trees rewritten into `RMSNormalization`, `RotaryEmbedding` and `ReduceMax` (opset 23).
 
-WHY: an `.onnx` decode step is bandwidth-bound in its ~150 weight matmuls, and onnxruntime then
-spends microseconds on each of thousands of small nodes (sequential executor, one kernel dispatch, shape
-check and allocation per node). The step is written for XNNPACK (`shram_static.reductions`:
-means over a 4-D view, max as a tree of halves), where those forms stay inside a delegate; in
-ONNX they are 9 nodes per RMSNorm, 7 per RoPE and 3 per level of a max tree. These rules turn
-them into `RMSNormalization`, `RotaryEmbedding` and `ReduceMax` (ONNX opset 23), on the exported
-graph only: eager, compiled and `.pte` steps run the torch code as written.
-
-onnxscript's own opset-23 fusions (`onnxscript.rewriter.onnx_fusions`) match the forms that
-transformers' Llama exports (`Pow(x, 2)`, a 1-D mean, cos/sin computed in the graph), not these;
-the rules below use its pattern rewriter. A form a rule does not match (fp16/bf16 casts, RoPE
-rows that differ per head, odd widths) keeps its plain nodes, which compute the same values.
+WHY: onnxruntime spends microseconds on each of thousands of small nodes, and the step is
+written for XNNPACK (`shram_static.reductions`), whose forms are 9 nodes per RMSNorm, 7 per
+RoPE and 3 per max-tree level in ONNX. onnxscript's own fusions match transformers' Llama forms,
+not these; the rules use its pattern rewriter. A form a rule does not match keeps its plain
+nodes, which compute the same values.
 """
 
 import onnx_ir as ir
@@ -22,7 +15,7 @@ OPSET = 23  # RMSNormalization and RotaryEmbedding are ONNX ops from opset 23
 
 
 def _shape(v) -> list[int] | None:
-    """The static shape of an ir.Value, or None when any dim is unknown."""
+    """The static shape of an ir.Value, or None."""
     if v is None or v.shape is None or not all(isinstance(d, int) for d in v.shape):
         return None
     return list(v.shape)
@@ -86,17 +79,14 @@ class RMSNormFusion(pattern.RewriteRuleClassBase):
         return r
 
     def rewrite(self, op, x, eps, scale, **_):
-        return op.RMSNormalization(x, scale, axis=-1, epsilon=_float(eps),
-                                   stash_type=int(ir.DataType.FLOAT))
+        return op.RMSNormalization(x, scale, axis=-1, epsilon=_float(eps), stash_type=int(ir.DataType.FLOAT))
 
 
 class RoPEFusion(pattern.RewriteRuleClassBase):
     """`rope.apply_rope` in fp32: x*cos + cat(-x2, x1)*sin -> RotaryEmbedding (non-interleaved).
 
-    Two layouts of x (..., u) match, each with one cos/sin row per (row, position):
-    (B, H, S, u) with rows (B, 1, S, u) (the local path), and (B, S, K, u) with rows
-    (B, S, 1, u) (the sparse path's selected experts, main-sequence positions), which goes
-    through RotaryEmbedding's 3-D form (B, S, K*u) with num_heads=K.
+    Matches x (B, H, S, u) with rows (B, 1, S, u) (local path) and x (B, S, K, u) with rows
+    (B, S, 1, u) (selected experts; RotaryEmbedding's 3-D form (B, S, K*u), num_heads=K).
     """
 
     def pattern(self, op, x, cos, sin, s1, e1, a1, t1, s2, e2, a2, t2):
@@ -114,9 +104,7 @@ class RoPEFusion(pattern.RewriteRuleClassBase):
         if any(v.dtype != ir.DataType.FLOAT for v in (x, cos, sin)):
             return r.fail("not fp32")
         B, A, S, _ = xs
-        if cs == [B, 1, S, u]:
-            return r
-        if cs == [B, A, 1, u]:
+        if cs in ([B, 1, S, u], [B, A, 1, u]):
             return r
         return r.fail(f"cos/sin rows {cs} do not match x {xs}")
 
@@ -138,8 +126,7 @@ class RoPEFusion(pattern.RewriteRuleClassBase):
 
 
 class MaxHalvesFusion(pattern.RewriteRuleClassBase):
-    """The last level of `reductions.max_last`'s tree, Max(y[..., :1], y[..., 1:2]) of a width-2 y,
-    -> ReduceMax(y, [-1], keepdims=1)."""
+    """The last level of `reductions.max_last`'s tree, Max(y[..., :1], y[..., 1:2]) -> ReduceMax(y)."""
 
     def pattern(self, op, y, s1, e1, a1, t1, s2, e2, a2, t2):
         return op.Max(op.Slice(y, s1, e1, a1, t1), op.Slice(y, s2, e2, a2, t2))
@@ -157,8 +144,7 @@ class MaxHalvesFusion(pattern.RewriteRuleClassBase):
 
 
 class MaxTreeFusion(pattern.RewriteRuleClassBase):
-    """ReduceMax over the last axis of Max(y[..., :h], y[..., h:2h]) of a width-2h y ->
-    ReduceMax(y): collapses `max_last`'s tree one level per application."""
+    """ReduceMax(Max(y[..., :h], y[..., h:2h])) -> ReduceMax(y): one level of `max_last`'s tree."""
 
     def pattern(self, op, y, s1, e1, a1, t1, s2, e2, a2, t2, axes):
         m = op.Max(op.Slice(y, s1, e1, a1, t1), op.Slice(y, s2, e2, a2, t2))
@@ -184,9 +170,8 @@ RULES = (RMSNormFusion.rule(), RoPEFusion.rule(), MaxHalvesFusion.rule(), MaxTre
 
 
 def fuse_onnx_ops(model: ir.Model, max_rounds: int = 16) -> dict[str, int]:
-    """Applies the rules above to an opset-23 `ir.Model`, in place, until none matches (each
-    round collapses one level of every max tree); then merges the nodes the rewrites made
-    twice (each RoPE's half-width cos/sin rows) and drops unused ones.
+    """Applies the rules to an opset-23 `ir.Model` in place until none matches (a round per max
+    tree level), then merges duplicate nodes (RoPE's cos/sin rows) and drops unused ones.
 
     Args:
         model: the exporter's model (`ONNXProgram.model`), default-domain opset 23.
@@ -206,9 +191,5 @@ def fuse_onnx_ops(model: ir.Model, max_rounds: int = 16) -> dict[str, int]:
             break
     CommonSubexpressionEliminationPass()(model)
     RemoveUnusedNodesPass()(model)
-    fused = ("RMSNormalization", "RotaryEmbedding", "ReduceMax")
-    counts = dict.fromkeys(fused, 0)
-    for node in model.graph:
-        if node.op_type in counts and node.domain == "":
-            counts[node.op_type] += 1
-    return counts
+    return {op: sum(n.op_type == op and n.domain == "" for n in model.graph)
+            for op in ("RMSNormalization", "RotaryEmbedding", "ReduceMax")}

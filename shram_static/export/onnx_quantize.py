@@ -1,13 +1,7 @@
-"""Weight-only int8 and int4 quantization of the exported ONNX graphs: onnxruntime's own
-`MatMulNBitsQuantizer` (block-wise, symmetric), applied to each graph before its weights are
-written out.
-
-Every `MatMul` whose weight is a constant becomes a `com.microsoft.MatMulNBits`: every
-projection, the MLP, the lm_head, the router and the fused experts (`FusedExperts`: every
-expert as one linear each way); the rest multiply two activations. The embedding table stays
-float (a step reads one row of it) unless `embedding=True` with int4: then the `Gather` of
-`input_ids` from it becomes a `com.microsoft.GatherBlockQuantized` of int4 rows in blocks of 32
-(what a download-bound site wants: the bench model's table is a quarter of its weights).
+"""Weight-only int8 and int4 quantization of the exported ONNX graphs with onnxruntime's
+`MatMulNBitsQuantizer` (block-wise, symmetric): every `MatMul` with a constant weight becomes a
+`com.microsoft.MatMulNBits`; with `embedding=True` (int4) the token embedding's `Gather` becomes
+a `GatherBlockQuantized` of int4 rows (for download-bound sites).
 """
 
 import logging
@@ -16,9 +10,8 @@ from ..backends import quantize_modes
 
 ONNX_QUANTIZE_MODES = quantize_modes("onnx")  # the `onnx-*` backends' modes
 BLOCK = 32  # inputs per scale: q4_0's and q8_0's block (accuracy against MatMulNBits' default of 128)
-# WHY accuracy_level 4: MatMulNBits then quantizes each activation row to int8 per block and
-# runs int8 dot products (MLAS' SQNBitGemm with VNNI); at the default level (fp32 compute) its
-# 8-bit path ran 12.8x the fp32 graph's time on the bench model (TOOLCHAIN_NOTES.md).
+# WHY accuracy_level 4: int8 activations per block and int8 dot products (MLAS with VNNI); the
+# default level's fp32-compute 8-bit path is far slower than the fp32 graph (TOOLCHAIN_NOTES.md).
 ACCURACY_LEVEL = 4
 
 
@@ -34,9 +27,8 @@ def quantize_graph(model, mode: str, embedding: bool = False):
     Args:
         model: an onnx.ModelProto (consumed: the quantizer edits it).
         mode: "int8" or "int4".
-        embedding: also the token embedding (`Gather` of the graph input `input_ids` from a
-            constant table), as int4 rows; int4 only (onnxruntime's quantizer writes 4-bit
-            `GatherBlockQuantized` only).
+        embedding: also the token embedding (the `Gather` of `input_ids`), as int4 rows; int4
+            only (onnxruntime writes 4-bit `GatherBlockQuantized` only).
 
     Returns:
         (the quantized ModelProto, how many MatMuls became MatMulNBits).
@@ -70,9 +62,8 @@ def quantize_graph(model, mode: str, embedding: bool = False):
 def _quantizer_class():
     """onnxruntime's `MatMulNBitsQuantizer`, imported with the root logger left as it was.
 
-    WHY: its module calls `logging.basicConfig(level=INFO)` when imported, which would print
-    every library's INFO records for the rest of the process (onnxscript's optimizer writes
-    thousands of lines per later ONNX export)."""
+    WHY: its module calls `logging.basicConfig(level=INFO)`, which would print every library's
+    INFO records for the rest of the process."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     try:
@@ -84,16 +75,11 @@ def _quantizer_class():
 
 
 def dequantized_matmuls(model):
-    """Rewrites each `MatMulNBits` of `model` (an onnx.ModelProto, edited in place) as the float
-    MatMul of its dequantized weight: `DequantizeLinear` of the same packed bytes read as a
-    [N, K] tensor of 4- or 8-bit integers (blocked along K, the node's scales, zero point 8 or
-    128 as MatMulNBits' symmetric default), `Transpose`, `MatMul`. The packed weights stay where
-    they are (an external data file is shared, not copied): only a tensor's type and shape change.
-
-    WHY: onnxruntime-web's WASM build runs MatMulNBits 3-4x slower than the float MatMul of the
-    same shape (it lacks MLAS' n-bit kernels), while a DequantizeLinear of constants is folded
-    into a float constant when the session is created with `session.disable_quant_qdq` (no QDQ
-    fusion back into MatMulNBits): the download stays 4- or 8-bit, the steps run at float speed.
+    """Rewrites each `MatMulNBits` of `model` (an onnx.ModelProto, edited in place) as
+    `DequantizeLinear` of the same packed bytes read as [N, K] 4- or 8-bit integers (zero point
+    8 or 128, MatMulNBits' symmetric default), `Transpose`, `MatMul`; the packed weights stay
+    where they are. WHY: onnxruntime-web's WASM runs MatMulNBits slower than float MatMul, and
+    folds constant DequantizeLinears at load with `session.disable_quant_qdq` (docs/web.md).
 
     Returns:
         (model, how many MatMulNBits were rewritten).
@@ -126,8 +112,7 @@ def dequantized_matmuls(model):
         s.name = f"{scales.name}.as_blocks"
         del s.dims[:]
         s.dims.extend([N, blocks])
-        zero = 8 if bits == 4 else 128
-        zp_vals = np.full(N * blocks, zero, np.uint8)
+        zp_vals = np.full(N * blocks, 8 if bits == 4 else 128, np.uint8)
         if bits == 4:
             zp = helper.make_tensor(f"{packed.name}.zero", TensorProto.UINT4, [N, blocks], _pack_uint4(zp_vals),
                                     raw=True)

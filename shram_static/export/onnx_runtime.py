@@ -1,6 +1,5 @@
-"""Runs the graphs written by `export_onnx` in onnxruntime behind the `StaticDecoder` API
-(`OnnxDecoder`, `load_onnx`). Imports onnx / onnxruntime only inside its functions, never the
-exporter."""
+"""Runs `export_onnx`'s graphs in onnxruntime behind the `StaticDecoder` API (`OnnxDecoder`,
+`load_onnx`). Imports onnx / onnxruntime only inside its functions, never the exporter."""
 
 import json
 import os
@@ -76,15 +75,12 @@ class _Graph:
 class OnnxDecoder(HostDecoder):
     """`HostDecoder` over the graphs written by `export_onnx`, run in onnxruntime.
 
-    The state lives in OrtValues that never leave onnxruntime between steps. With
-    `inplace=True` each `present.X` output is bound to the very OrtValue of `past.X`, so a step
-    updates the state where it lies (no copy of the whole state per step); this is correct
-    because no node of the graphs reads an old state tensor after writing it (tested against
-    `inplace=False`, which alternates two state sets).
+    The state lives in OrtValues. With `inplace=True` each `present.X` output is bound to the
+    OrtValue of `past.X`, so a step updates the state where it lies (correct: no node reads an
+    old state tensor after writing it; tested against `inplace=False`).
 
     Args:
-        path: the decode graph `m.onnx` (`m.prefill.onnx` and `m.onnx.data` beside it; a
-            decode-only export has no prefill graph and feeds prompts token by token).
+        path: the decode graph `m.onnx` (its sibling files are found by name).
         inplace: alias outputs to inputs (fast) or alternate two state sets (reference).
         threads: onnxruntime intra-op threads (default: onnxruntime's choice).
     """
@@ -111,14 +107,12 @@ class OnnxDecoder(HostDecoder):
         super().__init__(config, meta["batch_size"], meta["prefill_chunk"], meta.get("eos_token_id"))
         self.paths, self.meta, self.inplace = paths, meta, inplace
         self.names = list(meta["state_names"])
-        # Rollback: the limit the state was built for (absent: an export from before rollback
-        # support, whose state cannot roll back), and the verify graph's length if it has one.
+        # absent: an export from before rollback support, whose state cannot roll back
         self.rollback_limit = int(meta.get("rollback_limit") or 0)
         self.verify_len = meta.get("verify_len") if "verify" in roles else None
         # absent: written before last-token prefill graphs, whose prefill returned every token's
         self.full_logits = bool(meta.get("full_logits", True)) or "prefill" not in roles
         self._graphs = {role: _Graph(paths[role], threads) for role in roles}
-        # The slots each step attends (absent from the metadata: an export of whole-cache graphs).
         lengths = meta.get("prefix_lengths") or ()
         self._slots = PrefixSlots(config, lengths) if lengths else None
         for role, g in self._graphs.items():
@@ -134,7 +128,6 @@ class OnnxDecoder(HostDecoder):
                 raise ExportFormatError(f"{paths[role]} takes input_ids {g.inputs['input_ids'].shape} and "
                                         f"returns logits {list(g.logits.shape)}, but its config says "
                                         f"{[B, c]} -> {out} (a file from another config?)")
-        # Starting state: zeros (finite; stale slots are masked by position, never cleared).
         dec_in = self._graphs["decode"].inputs
         self._arrays = [[np.zeros(dec_in[f"past.{n}"].shape, _NP_DTYPES[dec_in[f"past.{n}"].type])
                          for n in self.names] for _ in range(1 if inplace else 2)]
@@ -167,9 +160,7 @@ class OnnxDecoder(HostDecoder):
         return torch.from_numpy(out)
 
     def _reset_state(self) -> None:
-        # Not needed for correctness (position 0 masks every stale slot); keeps a reset
-        # decoder byte-identical to a fresh one.
-        for arrs in self._arrays:
+        for arrs in self._arrays:  # not needed (position 0 masks): byte-identical to a fresh decoder
             for a in arrs:
                 a.fill(0)
 
@@ -188,7 +179,7 @@ def load_onnx(path, inplace: bool = True, threads: int | None = None) -> OnnxDec
     """Loads the graphs written by `export_onnx` as a decoder with the `StaticDecoder` API.
 
     Args:
-        path: `m.onnx` (its siblings `m.prefill.onnx` and `m.onnx.data` are found by name).
+        path: `m.onnx` (its siblings are found by name).
         inplace: bind each present output to its past input (default; see `OnnxDecoder`).
         threads: onnxruntime intra-op threads.
 

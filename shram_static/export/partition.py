@@ -2,22 +2,16 @@
 except that a reshape of a tensor made outside the delegate (a weight, a state buffer, a cache
 write, a portable gather's output) stays outside it.
 
-WHY: inside an XNNPACK delegate a reshape (`view_copy`) is an operator that copies its input,
-and when that input comes from outside (a weight, or the output of a portable gather) the
-delegate copies the whole tensor on every call. Outside a delegate ExecuTorch turns the same
-`view_copy` into a view that shares its base's memory and costs nothing
-(`ReplaceViewCopyWithViewPass`, run by `to_executorch`). On the bench model's decode step the
-delegated reshapes copied megabytes per layer per token (the fused expert weights among them),
-visible in `perf` as `memmove` on XNNPACK's threads (docs/performance.md, "`.pte`"). XNNPACK's public
-partitioner configs: part of the program, not an accelerator.
+WHY: inside a delegate a reshape copies its whole input on every call; outside, `to_executorch`
+makes it a free view (docs/performance.md, "`.pte`"). Public configs: part of the program.
 """
 
 import torch
 
 
 def xnnpack_partitioner():
-    """An `XnnpackPartitioner` with every one of XNNPACK's default configs, the reshape config
-    replaced by one that declines reshapes of tensors made outside the delegate.
+    """An `XnnpackPartitioner` with XNNPACK's default configs, the reshape config declining
+    reshapes of tensors made outside the delegate.
 
     Returns:
         The partitioner for `to_edge_transform_and_lower`.
@@ -30,8 +24,7 @@ def xnnpack_partitioner():
     delegated = {cfg.target_name for cfg in ALL_PARTITIONER_CONFIGS}
 
     def made_outside(node) -> bool:
-        """The tensor is a graph input (weight, buffer, argument), the output of an op no
-        XNNPACK config takes, or a reshape of such a tensor (itself left outside)."""
+        """A graph input, the output of an op no XNNPACK config takes, or a reshape of either."""
         if not isinstance(node, torch.fx.Node):
             return False
         if node.op == "placeholder":

@@ -1,29 +1,11 @@
 """ExecuTorch export (`.pte`, XNNPACK) of the static steps (`export_pte`); `pte_runtime.py` runs it.
 
-One program holds:
-  * the decode step: `forward(tokens [1, 1] int64, input_pos [1] int64) -> logits [1, V]` when
-    batch_size is 1 (the signature of ExecuTorch's stock `TextLLMRunner`), otherwise
-    `decode(tokens [B, 1], input_pos [B], live [B, 1] bool) -> logits [B, V]`;
-  * `prefill(tokens [B, C], input_pos [B], live [B, C] bool) -> logits [B, 1, V]` at each
-    row's last live token (`[B, C, V]`, every token's, with `full_logits=True`), unless
-    exported with `prefill_chunk=None` (decode only: prompts then run token by token through
-    the decode step, as the stock runner does with any program whose `enable_dynamic_shape`
-    is False; half the lowering work and a smaller file, slower prompts);
-  * constant methods read by the stock runner (`get_max_seq_len`, `get_max_context_len`,
-    `use_kv_cache`, `enable_dynamic_shape`, `get_eos_ids`), by optimum-executorch's
-    `ExecuTorchModelForCausalLM` (also `get_bos_id`, `get_vocab_size`, `get_max_batch_size`,
-    `get_dtype`) and by `load_pte`
-    (`get_shram_config`: the model config JSON; `get_shram_export`: batch size, chunk,
-    quantization, state names, method names, prefix lengths, as JSON).
-Every step method but `forward` also takes `slots [P] float32`, the numbers of the first P
-slots of each expert's sparse cache it attends (`step.step`), P a bounded dynamic size; the
-runner picks P per step from the export's prefix lengths (`common.export_prefix_lengths`). At
-batch 1 with `prefix_decode` it also holds `decode(tokens [1, 1], input_pos [1], live [1, 1],
-slots)`, the decode step `load_pte` then runs (`forward`, for stock runners, attends the whole
-cache).
-Both step methods share one set of mutable state buffers. Every piece of bookkeeping is
-derived from `input_pos`, so a call at position 0 starts a fresh sequence without clearing
-anything (what the stock runner's `reset()` relies on).
+One program holds the decode step (`forward(tokens, input_pos)` at batch 1, the stock
+`TextLLMRunner`'s signature, else `decode(tokens, input_pos, live)`), `prefill` (unless
+`prefill_chunk=None`), optionally `verify` and a batch-1 `decode` with slots, and constant
+methods for the stock runner, optimum-executorch and `load_pte` (`get_shram_config`,
+`get_shram_export`). The step methods share one set of mutable state buffers. See
+docs/design.md, "How each backend runs the step", and docs/reference.md.
 """
 
 import functools
@@ -59,17 +41,12 @@ class _Decode1(nn.Module):
 
 
 class _Chunk(nn.Module):
-    """Batched step with live flags: `(tokens [B, C], input_pos [B], live [B, C][, slots [P]])`
-    -> logits `[B, C, V]` (verify, full-logits prefill), `[B, 1, V]` at each row's last live
-    token with `last_live=True` (prefill), or `[B, V]` with `last=True` (the batched decode
-    method, C = 1); over the first P sparse slots of each expert's cache with `slots`
-    (`step.step`), else the whole cache."""
+    """Batched step with live flags (and optional slots): logits `[B, C, V]`, `[B, 1, V]` with
+    `last_live` (prefill) or `[B, V]` with `last` (batched decode)."""
 
     def __init__(self, step: StepModule, last: bool, last_live: bool = False):
         super().__init__()
-        self.step = step
-        self.last = last
-        self.last_live = last_live
+        self.step, self.last, self.last_live = step, last, last_live
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor,
                 slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -78,24 +55,18 @@ class _Chunk(nn.Module):
 
 
 def _init_first_method_pass(names):
-    """A pass that marks the state buffers of the FIRST method it sees as initialised
-    (`meta["et_init_buffer"]` on their placeholders, what ExecuTorch's
-    `InitializedMutableBufferPass` sets).
+    """A pass marking the state buffers of the FIRST method it sees as initialised
+    (`meta["et_init_buffer"]`, as ExecuTorch's `InitializedMutableBufferPass`).
 
-    WHY: without the mark a mutated buffer is emitted with shape and dtype only, and a fresh
-    program's state is whatever the allocator left (a NaN in a masked slot still poisons
-    attention: 0 * NaN). With it, the starting bytes are stored per method, so marking both
-    methods stores the whole state twice. The runtime copies them in when the method is loaded,
-    so the decode method (lowered first, loaded first by `load_pte` and the only one the stock
-    runner loads) is enough. The mark is set on the placeholders directly: ExecuTorch's pass
-    sets it while re-tracing the whole graph (seconds per method), and
-    `to_executorch` re-traces right after it anyway (SpecPropPass).
+    WHY: unmarked, a fresh program's state is whatever the allocator left (a NaN in a masked
+    slot poisons attention: 0 * NaN); marked, the starting bytes are stored per method, so only
+    the decode method (loaded first) is marked. Set on the placeholders directly: ExecuTorch's
+    pass re-traces the whole graph (seconds per method).
     """
     from torch.fx.passes.infra.pass_base import PassResult
 
-    # Placeholder names are the FQNs with dots as underscores ("b_step_state_layers_0_taken");
-    # matched as substrings, as ExecuTorch's pass does, and "..._layers_1_taken" is no substring
-    # of "..._layers_11_taken".
+    # Placeholder names are the FQNs with dots as underscores, matched as substrings as
+    # ExecuTorch's pass does ("..._layers_1_taken" is no substring of "..._layers_11_taken").
     patterns = [f"state_{n.replace('.', '_')}" for n in names]
     calls = []
 
@@ -114,13 +85,12 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
                   eos_token_id: int | None = None, bos_token_id: int | None = None, *,
                   quantize_embedding: bool = False, parallel: bool = True, verify_len: int | None = None,
                   full_logits: bool = False, prefix_lengths=None, prefix_decode: bool = False):
-    """Exports and lowers the two steps (with `parallel`, the decode step in a forked process);
-    returns the `ExecutorchProgramManager` (not written).
+    """Exports and lowers the steps, as `export_pte` without writing.
 
     Args: as `export_pte`.
 
     Returns:
-        The program manager; `.buffer` is the .pte bytes.
+        The `ExecutorchProgramManager`; `.buffer` is the .pte bytes.
     """
     cfg: ShramConfig = model.config
     if quantize not in QUANTIZE_MODES:
@@ -131,8 +101,9 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         raise ValueError("quantize_embedding applies with quantize='int8' or '8da4w'")
     eos_token_id = getattr(cfg, "eos_token_id", None) if eos_token_id is None else eos_token_id
     bos_token_id = getattr(cfg, "bos_token_id", None) if bos_token_id is None else bos_token_id
-    check_export_args(cfg, batch_size, 1 if prefill_chunk is None else prefill_chunk, eos_token_id,
-                      bos_token_id, parallel=parallel, full_logits=full_logits, verify_len=verify_len)
+    B, C = batch_size, 1 if prefill_chunk is None else prefill_chunk
+    check_export_args(cfg, B, C, eos_token_id, bos_token_id, parallel=parallel, full_logits=full_logits,
+                      verify_len=verify_len)
     lengths = export_prefix_lengths(cfg, prefix_lengths)
     if not isinstance(prefix_decode, bool):
         raise TypeError(f"prefix_decode must be a bool, got {prefix_decode!r}")
@@ -142,38 +113,31 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     dtype = next(model.parameters()).dtype
     if quantize is not None:
         model = quantize_weights_(model, quantize, embedding=quantize_embedding)
-    B, C = batch_size, 1 if prefill_chunk is None else prefill_chunk
-    # The rollback limit (what HostDecoder.rollback allows) covers a verify step's guesses.
     state = StaticState(cfg, B, C, dtype=dtype, rollback_limit=verify_len)
-    # Every step of more than one token (verify too) attends expert by expert (`step.step`,
-    # per_token_max=1). WHY: gathering each token's K expert caches is a copy in the runtime
-    # (a portable index_select; Inductor reads the rows in place, so compiled verify steps keep
-    # it), and C*K gathered caches outweigh the L read in place: verify/decode 1.43 against 1.81
-    # on the bench model (docs/performance.md, "`.pte`").
+    # Steps of more than one token attend expert by expert (`step.step`). WHY: gathering each
+    # token's K expert caches is a portable copy in the runtime (docs/performance.md, "`.pte`").
     step = StepModule(model, state).eval()
-    i64 = dict(dtype=torch.long)
+
+    def step_args(c):  # tokens [B, c], input_pos [B], live [B, c]
+        return (torch.zeros(B, c, dtype=torch.long), torch.zeros(B, dtype=torch.long),
+                torch.ones(B, c, dtype=torch.bool))
+
     decode_name = "forward" if B == 1 else "decode"
     if B == 1:
-        dec, dec_args = _Decode1(step), (torch.zeros(1, 1, **i64), torch.zeros(1, **i64))
+        dec, dec_args = _Decode1(step), step_args(1)[:2]
     else:
-        dec, dec_args = _Chunk(step, last=True), (torch.zeros(B, 1, **i64), torch.zeros(B, **i64),
-                                         torch.ones(B, 1, dtype=torch.bool))
-    pre_args = (torch.zeros(B, C, **i64), torch.zeros(B, **i64), torch.ones(B, C, dtype=torch.bool))
+        dec, dec_args = _Chunk(step, last=True), step_args(1)
     methods = {decode_name: (dec, dec_args)}  # decode first: see _init_first_method_pass
     if prefill_chunk is not None:
-        methods["prefill"] = (_Chunk(step, last=False, last_live=not full_logits), pre_args)
+        methods["prefill"] = (_Chunk(step, last=False, last_live=not full_logits), step_args(C))
     full_prefill = prefill_chunk is not None and full_logits  # prefill can verify C tokens
-    verify_method = None if verify_len is None else "prefill" if verify_len == C and full_prefill else "verify"
+    verify_method = (None if verify_len is None else
+                     "prefill" if verify_len == C and full_prefill else "verify")
     if verify_method == "verify":  # speculative decoding's verify step: k + 1 tokens per row
-        Cv = verify_len
-        methods["verify"] = (_Chunk(step, last=False), (torch.zeros(B, Cv, **i64), torch.zeros(B, **i64),
-                                                        torch.ones(B, Cv, dtype=torch.bool)))
-    # Every step method but the stock runner's `forward` takes the slots it attends (P,) as a
-    # bounded dynamic size: one method serves every length, and a step's sparse attention
-    # costs what the rows' depth needs, not the capacity. `forward` keeps the whole cache; at
-    # batch 1 with `prefix_decode`, a `decode` method with the slots is what `load_pte` runs.
+        methods["verify"] = (_Chunk(step, last=False), step_args(verify_len))
+    # Every step method but `forward` takes its slots (P,), a bounded dynamic size.
     if lengths and B == 1 and prefix_decode:
-        methods["decode"] = (_Chunk(step, last=True), (*dec_args, torch.ones(1, 1, dtype=torch.bool)))
+        methods["decode"] = (_Chunk(step, last=True), step_args(1))
     slots_methods = [name for name in methods if name != "forward"] if lengths else []
     if slots_methods:
         P = torch.export.Dim("P", min=lengths[0], max=lengths[-1])
@@ -181,19 +145,14 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         for name in slots_methods:
             mod, args = methods[name]
             methods[name] = (mod, (*args, slots), (*[None] * len(args), {0: P}))
-    # _check_ir_validity=False, as ExecuTorch's llama export does. WHY: the edge verifier re-checks
-    # every graph after every pass (a tenth of lowering time), and since a delegate holds a whole
-    # norm + projections block (docs/performance.md, "`.pte`") it rejects, inside XNNPACK's own
-    # preprocessing of such a partition, the `aten.linear` nodes the XNNPACK partitioner keeps
-    # undecomposed for its linear kernel (SpecViolationError: "not in Core ATen opset"). What the
-    # program runs is checked by running it (tests/test_export_pte.py: allowlisted kernels only).
+    # _check_ir_validity=False, as ExecuTorch's llama export does. WHY: the edge verifier rejects
+    # the `aten.linear` nodes XNNPACK keeps for its linear kernel ("not in Core ATen opset"); the
+    # program is checked by running it (tests/test_export_pte.py: allowlisted kernels only).
     config = EdgeCompileConfig(_check_ir_validity=False)
 
     def export_and_lower(name):
-        """Stages 1 and 2 of one method: `torch.export.export` (strict=False: the step has no
-        data-dependent Python, no .item(), no branch on tensor data, so tracing it with Python
-        gives the graph Dynamo's strict mode gives, in half the time), then
-        `to_edge_transform_and_lower` with the XNNPACK delegates."""
+        """`torch.export` (non-strict: the step has no data-dependent Python) and
+        `to_edge_transform_and_lower` of one method."""
         with without_leafspec_notice():
             return accelerators.export_and_lower({name: methods[name]}, xnnpack_partitioner(), {},
                                                  config).exported_program(name)
@@ -212,9 +171,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         "get_max_context_len": cfg.inference_sequence_length,
         "use_kv_cache": True,
         "enable_dynamic_shape": False,
-        # Read by optimum-executorch's ExecuTorchModelForCausalLM (and the llama runners):
-        # get_dtype is a c10::ScalarType code (6 float32, 5 float16, 15 bfloat16); an unknown
-        # BOS is -1 and an unknown EOS an empty list (no stop token).
+        # Read by optimum-executorch's ExecuTorchModelForCausalLM (and the llama runners).
         "get_max_batch_size": B,
         "get_vocab_size": cfg.vocab_size,
         "get_dtype": _SCALAR_TYPE[dtype],
@@ -223,27 +180,18 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         "get_shram_config": cfg.to_json_string(use_diff=False),  # a string constant method
         "get_shram_export": json.dumps(meta),
     }
-    # The stages, as ExecuTorch's llama export runs them: (1) torch.export and (2) to_edge with
-    # the XNNPACK lowering, per method (the same program as lowering them together); (3)
-    # to_executorch of all methods; (4) `export_pte` saves the bytes. The accelerators speed up
-    # stages 1-3 from outside (`accelerators.lowering()`: the same program). With `parallel` the
-    # decode method is lowered in a forked process. WHY that one: prefill's graph is the larger
-    # (it takes longer to lower), and reading a forked method back here comes after this
-    # process's own lowering.
+    # As in ExecuTorch's llama export: lowered per method, then to_executorch of all. WHY the
+    # decode method is the forked one: prefill's graph is larger, so it is read back after it.
     jobs = {name: functools.partial(export_and_lower, name) for name in reversed(methods)}
     with accelerators.lowering(), without_mutable_buffer_notice():
         edges = accelerators.lower_in_parallel(jobs, parallel)
         edge = EdgeProgramManager({name: edges[name] for name in methods}, constant_methods=constants,
                                   compile_config=config)
         return edge.to_executorch(ExecutorchBackendConfig(
-            # shared mutable buffers (state_view_planning) + emit_mutable_buffer_names: both
-            # methods address ONE copy of each state buffer (through executorch.runtime's Program;
-            # portable_lib's Module API would give each method its own copy).
+            # every method addresses ONE copy of each state buffer (through executorch.runtime)
             memory_planning_pass=state_view_planning(),
             emit_mutable_buffer_names=True,
-            # index_put -> index_put_: without it each cache write copies the whole buffer into a
-            # temporary and back, a copy of every cache per step. Safe: the pass
-            # only rewrites when the old buffer value is not read afterwards.
+            # index_put -> index_put_: else each cache write copies the whole buffer per step
             run_reinplace_pass=True,
             passes=[_init_first_method_pass(state.names()), written_cache_views_pass],  # views.py
         ))
@@ -258,41 +206,27 @@ def export_pte(model, path, batch_size: int = 1, prefill_chunk: int | None = 32,
     Args:
         model: a `ShramForCausalLM` (fp32; not modified).
         path: output `.pte` path (its directory is created).
-        batch_size: B rows per call. B = 1 names the decode method `forward` with the stock
-            runner's two inputs; B > 1 names it `decode` and adds per-row live flags.
-        prefill_chunk: C tokens per `prefill` call; None writes no `prefill` method (decode
-            only: the loaded decoder runs prompts token by token through the decode step).
-        quantize: None (float weights), "int8" (dynamic int8 activations, int8 per-channel
-            weights on every nn.Linear) or "8da4w" (int4 weights in groups of 32 where the input
-            width allows); see `shram_static.export.quantize.quantize_weights`.
-        eos_token_id: stored as `get_eos_ids` (the stock runner stops on it) and used by the
-            loaded decoder's `generate`; default the config's `eos_token_id`.
-        bos_token_id: stored as `get_bos_id`; default the config's `bos_token_id`.
-        quantize_embedding: with `quantize`, also store the embedding table as int8 rows with
-            per-row scales: a quarter of its bytes, no effect on step time, more logit drift
-            (see `quantize_weights`). Needs `quantize`.
-        parallel: lower the decode method in a forked process while this one lowers the prefill
-            method (Linux, two or more usable CPUs; the same program; up to twice the peak
-            memory). False: one process.
-        verify_len: also write a `verify(tokens [B, n], input_pos [B], live [B, n])` method of
-            n = verify_len tokens per row (speculative decoding: the last token and up to n - 1
-            guesses; a `full_logits` `prefill` serves when n equals prefill_chunk), and build the state to roll
-            back max(prefill_chunk, n) tokens (stored as `rollback_limit` in the metadata).
-            None: no verify method; rollback up to prefill_chunk still works.
-        full_logits: `prefill` returns every token's logits, [B, C, V], as evaluation
-            (perplexity) needs. Default False: only each row's last live token's, [B, 1, V],
-            which is all generation reads, and the lm_head then runs on B rows instead of
-            B x C (the same default as ExecuTorch's llama export, `generate_full_logits`).
+        batch_size: B rows per call; B = 1 names the decode method `forward` (the stock runner's
+            two inputs), B > 1 names it `decode` with per-row live flags.
+        prefill_chunk: C tokens per `prefill` call; None: no `prefill` (prompts run token by token).
+        quantize: None, "int8" (int8 dynamic activations and per-channel weights) or "8da4w"
+            (int4 weights in groups of 32 where the width allows); see `quantize_weights`.
+        eos_token_id: stored as `get_eos_ids` and used by `generate`; default the config's.
+        bos_token_id: stored as `get_bos_id`; default the config's.
+        quantize_embedding: with `quantize`, also the embedding table as int8 rows (a quarter of
+            its bytes, more logit drift).
+        parallel: lower the decode method in a forked process (Linux, 2+ CPUs; same program, up
+            to twice the peak memory).
+        verify_len: also write `verify(tokens [B, n], input_pos, live)` of n tokens per row
+            (speculative decoding; a `full_logits` prefill serves when n == C), and build the
+            state to roll back max(C, n) tokens (`rollback_limit`).
+        full_logits: `prefill` returns every token's logits [B, C, V] (for scoring text), not
+            only each row's last live token's [B, 1, V].
         prefix_lengths: the prefix lengths of the sparse caches the step methods attend
-            (`common.export_prefix_lengths`; default powers of two from 64, then the whole
-            cache; () for whole-cache methods): every method but `forward` takes one more input,
-            `slots` [P] float32 (`slot_numbers(T)[:P]`), P a bounded dynamic size, and
-            `load_pte` picks the shortest length holding every row's live slots. Recorded in
-            the metadata (`prefix_lengths`, `slots_methods`).
-        prefix_decode: at batch 1 with prefix lengths, also write `decode(tokens [1, 1],
-            input_pos [1], live [1, 1], slots [P])`, the decode step over a prefix that
-            `load_pte` then runs (`forward` keeps the whole cache for stock runners). One more
-            method to lower (docs/performance.md, "`.onnx`": the export's time and what it buys).
+            (`common.export_prefix_lengths`; () for whole-cache methods): every method but
+            `forward` takes `slots` [P] float32, P a bounded dynamic size.
+        prefix_decode: at batch 1 with prefix lengths, also write `decode(tokens, input_pos,
+            live, slots)`, which `load_pte` then runs (`forward` keeps the whole cache).
 
     Returns:
         The path written.

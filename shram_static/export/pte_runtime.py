@@ -1,7 +1,5 @@
 """Runs a `.pte` written by `export_pte` behind the `StaticDecoder` API (`PteDecoder`, `load_pte`).
-
-Imports only the ExecuTorch runtime (inside `PteDecoder`), never the exporter.
-"""
+Imports only the ExecuTorch runtime (inside `PteDecoder`), never the exporter."""
 
 import contextlib
 import json
@@ -35,10 +33,9 @@ def _read_constant(program, name: str, path: str):
 
 
 class PteDecoder(HostDecoder):
-    """`HostDecoder` over an ExecuTorch program written by `export_pte`.
+    """`HostDecoder` over an ExecuTorch program written by `export_pte` (build it with `load_pte`).
 
-    Both step methods run through `executorch.runtime`'s Program, which gives them one shared
-    set of state buffers. Build it with `load_pte`.
+    The step methods run through `executorch.runtime`'s Program, which shares their state buffers.
 
     Args:
         path: the `.pte` file.
@@ -71,17 +68,14 @@ class PteDecoder(HostDecoder):
         if meta.get("format") != PTE_FORMAT:
             raise ExportFormatError(f"{path} has format {meta.get('format')!r}; this version reads {PTE_FORMAT!r}")
         super().__init__(config, meta["batch_size"], meta["prefill_chunk"], meta.get("eos_token_id"))
-        self.path = path
-        self.meta = meta
-        self._program = program
+        self.path, self.meta, self._program = path, meta, program
         B, C, V = self.batch_size, self.prefill_chunk, config.vocab_size
         # absent: written before last-token prefill methods, whose prefill returned every token's
         self.full_logits = bool(meta.get("full_logits", True)) or meta["prefill_method"] is None
         self._check_signature(meta["decode_method"], (B, 1), (B, V))
         if meta["prefill_method"] is not None:
             self._check_signature(meta["prefill_method"], (B, C), (B, C if self.full_logits else 1, V))
-        # Rollback: the limit the state was built for (absent: a file written before rollback
-        # support, whose state cannot roll back); the verify step, if the file has one.
+        # absent: a file written before rollback support, whose state cannot roll back
         self.rollback_limit = int(meta.get("rollback_limit") or 0)
         self.verify_len = meta.get("verify_len")
         if meta.get("verify_method") == "verify":
@@ -95,10 +89,7 @@ class PteDecoder(HostDecoder):
         except Exception as e:
             raise ExportFormatError(f"{path}: loading the step methods failed (truncated, or built "
                                     f"with kernels this runtime lacks?): {e}") from e
-        # The methods that take the sparse slots they attend (absent: an export of whole-cache
-        # methods only), and the slots of each step (`PrefixSlots`). At batch 1 the decode step
-        # with them is `decode` beside the stock runner's `forward` (which carries the state's
-        # starting values, so it is loaded first all the same).
+        # At batch 1 the decode step with slots is `decode` beside the stock runner's `forward`.
         takes = set(meta.get("slots_methods", ()))
         if meta["decode_method"] == "forward" and "decode" in takes:
             self._check_signature("decode", (B, 1), (B, V))
@@ -115,7 +106,6 @@ class PteDecoder(HostDecoder):
         self._slots = PrefixSlots(config, meta["prefix_lengths"]) if self._slots_methods else None
 
     def _check_signature(self, method: str, tokens_shape, logits_shape) -> None:
-        """Raises ExportFormatError unless the method's tensors match the stored config."""
         if method not in self._program.method_names:
             raise ExportFormatError(f"{self.path} has no {method!r} method")
         mm = self._program.metadata(method)
@@ -135,9 +125,8 @@ class PteDecoder(HostDecoder):
     def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         # The runtime rejects strided inputs (e.g. a column slice of the prompt).
         tokens, input_pos, live = tokens.contiguous(), input_pos.contiguous(), live.contiguous()
-        # WHY one torch thread while the program runs: the call itself runs a parallel torch
-        # region, whose OpenMP worker then spin-waits on a core the XNNPACK threadpool needs
-        # (docs/performance.md, "`.pte`"). The caller's thread count is restored after the call.
+        # WHY one torch thread: else torch's OpenMP worker spin-waits on a core XNNPACK's
+        # threadpool needs (docs/performance.md, "`.pte`").
         with torch_threads(1):
             return self._execute(tokens, input_pos, live)
 
@@ -148,7 +137,6 @@ class PteDecoder(HostDecoder):
             return self._with_slots(self._prefill, tokens.contiguous(), input_pos.contiguous(), live.contiguous())
 
     def _with_slots(self, method, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """Runs a step method (with the slots it attends where it takes them); its logits."""
         args = [tokens, input_pos, live]
         if any(method is m for m in self._slots_methods):
             args.append(self._slots(input_pos, tokens.shape[1]))

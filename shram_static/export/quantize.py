@@ -1,10 +1,6 @@
-"""Weight quantization of the exported step (ExecuTorch, XNNPACK): source transforms applied to a
-copy of the model before `torch.export`.
-
-The nn.Linear layers are quantized by torchao: every projection, the lm_head, and the sparse
-path's experts in the exported layout (`FusedExperts`: every expert as one linear each way).
-Optionally the embedding table as int8 rows with one scale per row (`Int8Embedding`).
-"""
+"""Weight quantization of the exported `.pte` step: torchao on every nn.Linear of a model copy
+(projections, lm_head, the `FusedExperts`), applied before `torch.export`; optionally the
+embedding table as int8 rows (`Int8Embedding`)."""
 
 import copy
 
@@ -19,9 +15,8 @@ GROUP = 32  # int4 group size: XNNPACK's blockwise int4 GEMM takes multiples of 
 
 
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 quantization with one scale per row (last dim): w (..., b) -> q (..., b)
-    int8 and scale (..., 1) in w's dtype, w ~= q * scale. torchao's primitives, the ones its
-    per-axis int8 linear weights use."""
+    """Symmetric int8 per row (last dim), torchao's primitives: w (..., b) -> q (..., b) int8 and
+    scale (..., 1) in w's dtype, w ~= q * scale."""
     from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine, quantize_affine
 
     block = (1,) * (w.dim() - 1) + (w.shape[-1],)
@@ -32,10 +27,9 @@ def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Embedding(nn.Module):
     """An embedding table stored as int8 rows with per-row scales; looks up like nn.Embedding.
 
-    WHY not torchao's weight-only config: its `dequantize_affine` has no out variant in the pip
-    ExecuTorch runtime, and the 8-bit embedding kernel ExecuTorch's llama export rewrites it to
-    (`quantized_decomposed::embedding_byte`) is not in that runtime either. A row gather of the
-    int8 table, a cast and a multiply are kernels it has (`index_select`, `_to_copy`, `mul`).
+    WHY not torchao's weight-only config: neither its `dequantize_affine` nor
+    `quantized_decomposed::embedding_byte` is in the pip ExecuTorch runtime; a gather, a cast
+    and a multiply are.
 
     Args:
         emb: the nn.Embedding whose weight it quantizes (not kept).
@@ -55,44 +49,25 @@ class Int8Embedding(nn.Module):
 
 
 def quantize_weights(model: nn.Module, mode: str = "int8", embedding: bool = False) -> nn.Module:
-    """Returns a copy of `model` whose weights are quantized for the exported step (its experts
-    in the exported layout).
+    """A copy of `model` with its weights quantized for the exported step (experts fused first).
 
-    Modes:
-      * "int8" ("8da8w"): every nn.Linear (lm_head included) takes dynamically quantized int8
-        activations and int8 weights, one scale per output channel. WHY this config: it is
-        the flow executorch 1.4.1's own LLM export uses, and XNNPACK lowers it to QD8 GEMMs
-        (about a third of the file size, several times faster linears). Weight-only int8 (`IntxWeightOnlyConfig`)
-        lowered to a program that returned NaN with fp32-sized weights.
-      * "8da4w": as "int8" but int4 linear weights with one scale per group of 32 inputs (what
-        optimum-executorch ships for edge LLMs on XNNPACK); a layer whose input width is not a
-        multiple of 32 (e.g. the bench config's 1366-wide down_proj) keeps int8 weights,
-        because XNNPACK delegates only group sizes that are multiples of 32. The experts keep
-        int8 weights too: int4 experts perturb the sparse path's output enough to flip later
-        layers' routing (on random-weight models far more argmax flips against fp32 than with
-        int8 experts), for a small saving of bytes.
-    A tied lm_head gets its own quantized copy of the table (int8 rows cannot feed XNNPACK's
-    linear kernel, and a float head would be the largest weight a quantized step reads).
-
-    The experts are fused first (`fuse_experts_`, as the export copy is), so their two linears
-    are quantized like the others. (Gathering int8 expert rows per token instead is slower:
-    the rows are widened to float by a portable `_to_dim_order_copy`; docs/performance.md, "Tried and not kept".)
+    "int8" ("8da8w"): every nn.Linear takes dynamic int8 activations and per-channel int8
+    weights (executorch's own LLM flow; XNNPACK's QD8 GEMMs; weight-only int8 lowered to a
+    program returning NaN). "8da4w": int4 weights in groups of 32 (optimum-executorch's edge
+    config), except layers whose input width is no multiple of 32 (XNNPACK delegates only
+    those) and the experts (int4 experts flip later layers' routing), which keep int8. A tied
+    lm_head gets its own quantized copy of the table.
 
     Args:
         model: a `ShramForCausalLM` (left untouched).
         mode: "int8" or "8da4w".
-        embedding: also store the embedding as int8 rows (`Int8Embedding`): a quarter of the
-            table's bytes at no measured step cost (docs/performance.md, "Quantization").
-            Off by default (as in ExecuTorch's and optimum-executorch's LLM exports, where
-            embedding quantization is its own option): it moves the first layer's routing
-            input, and on the random-weight golden models that flips expert choices, adding
-            far more logit drift than the linears (bounded by tests/test_quant_drift.py).
+        embedding: also store the embedding as int8 rows (`Int8Embedding`): a quarter of its
+            bytes; off by default (it moves the first layer's routing input: more logit drift).
 
     Returns:
         The quantized copy.
     """
     _check_mode(mode)
-    # the experts as the exported step reads them
     return quantize_weights_(fuse_experts_(copy.deepcopy(model).eval()), mode, embedding)
 
 
@@ -102,11 +77,9 @@ def _check_mode(mode) -> None:
 
 
 def quantize_weights_(q: nn.Module, mode: str = "int8", embedding: bool = False) -> nn.Module:
-    """`quantize_weights` in place, on a copy that owns its weights with its experts fused (an
-    `export_copy`); returns `q`.
+    """`quantize_weights` in place on an `export_copy` (experts fused); returns `q`.
 
-    WHY: `lower_program` quantizes its own export copy; copying it again held every float weight
-    a third time while quantizing (the caller's, the export copy's, this copy's).
+    WHY: copying the export copy again would hold every float weight a third time.
     """
     from torchao.quantization.granularity import PerAxis, PerGroup
     from torchao.quantization.quant_api import Int8DynamicActivationIntxWeightConfig, quantize_
@@ -120,8 +93,7 @@ def quantize_weights_(q: nn.Module, mode: str = "int8", embedding: bool = False)
         q.lm_head.weight = nn.Parameter(q.embed_tokens.weight.detach().clone(), requires_grad=False)
     if embedding:
         q.embed_tokens = Int8Embedding(q.embed_tokens)
-    # The model computes every projection and the logits with nn.Linear, which a torchao
-    # quantized weight implements (it has no `aten.t`: `x @ W.t()` would fail here).
+    # Projections and logits are nn.Linear: a torchao weight has no `aten.t` (`x @ W.t()` fails).
     plain = lambda m, fqn: isinstance(m, nn.Linear) and type(m.weight) is nn.Parameter  # noqa: E731
     experts = {id(lin) for m in q.modules() if isinstance(m, FusedExperts) for lin in (m.qkv, m.o)}
     if mode == "8da4w":

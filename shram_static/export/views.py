@@ -1,17 +1,10 @@
 """Reshapes of the state buffers as free views in the `.pte`, written caches included.
 
-Inside an XNNPACK delegate a reshape is an operator that copies its input, so the partitioner
-leaves reshapes of state buffers and of cache writes outside the delegates
-(`shram_static.export.partition`), where `to_executorch` makes them views. Two ExecuTorch
-behaviours (ExecuTorch 1.4-1.5) need mending for that:
-- a view of a cache write (`index_put_`) is based on a spec that is never the buffer's
-  (`written_cache_views_pass` re-bases it on the buffer);
-- a view of an initialised state buffer inherits the buffer's starting bytes and name, and the
-  emitter stores the bytes again per view (`StateViewPlanning` plans it as a plain tensor at the
-  buffer's place).
-Without them the delegates copy the written caches on every step (what that costs:
-docs/performance.md, "`.pte`"). Both use ExecuTorch's public hooks (a graph pass, a memory planning pass),
-so they are part of the program, not accelerators: the stock lowering writes the same program.
+The partitioner leaves reshapes of state buffers and cache writes outside the delegates
+(`partition.py`), where `to_executorch` makes them views. Two ExecuTorch (1.4-1.5) behaviours
+need mending for that: a view of a cache write is based on a spec that is never the buffer's
+(`written_cache_views_pass`), and a view of an initialised state buffer stores its starting
+bytes again (`state_view_planning`). Both are public hooks: part of the program, not accelerators.
 """
 
 import torch
@@ -20,13 +13,10 @@ import torch
 def written_cache_views_pass(gm: torch.fx.GraphModule):
     """Re-bases every reshape of a cache's last write onto the buffer the write updates.
 
-    For `ExecutorchBackendConfig(passes=...)`: it runs after the in-place rewrite of the writes
-    (`index_put` -> `index_put_`) and before the reshapes become views.
-    WHY: `ReplaceViewCopyWithViewPass` builds a view's spec on its base's spec before memory
-    planning aliases an in-place op's result onto its input, so a view of an `index_put_` node
-    points at a spec that is never the buffer, and read other memory (NaN logits in the golden
-    tests). The write returns its buffer, so the view's base is that buffer;
-    graph order still runs every reader after the write.
+    For `ExecutorchBackendConfig(passes=...)`, after `run_reinplace_pass`. WHY: the view pass
+    builds a view's spec on its base's before memory planning aliases an `index_put_` onto its
+    input, so the view read other memory; the write returns its buffer, and graph order still
+    runs every reader after the write.
 
     Args:
         gm: an edge graph module after `run_reinplace_pass`.
@@ -67,10 +57,8 @@ def _state_view_planning_cls():
     from executorch.exir.tensor import TensorSpec
 
     class StateViewPlanning(MemoryPlanningPass):
-        """`MemoryPlanningPass(share_mutable_buffers=True)` that plans every view of a state
-        buffer as a plain tensor at the buffer's place. WHY: a view's spec reads the starting
-        bytes and the name of the initialised buffer it views, and the emitter then stores those
-        bytes once more per view (the whole state again in the file)."""
+        """`MemoryPlanningPass(share_mutable_buffers=True)` planning every view of a state buffer
+        as a plain tensor at the buffer's place (else the emitter stores its bytes per view)."""
 
         def __init__(self):
             super().__init__(share_mutable_buffers=True)
@@ -103,11 +91,6 @@ def _state_view_planning_cls():
 
 
 def state_view_planning():
-    """The memory planning pass for `ExecutorchBackendConfig(memory_planning_pass=...)`: one
-    shared copy of each state buffer across methods, views of state buffers planned as plain
-    tensors at their buffer's place.
-
-    Returns:
-        a `MemoryPlanningPass`.
-    """
+    """The `MemoryPlanningPass` for `ExecutorchBackendConfig`: one shared copy of each state
+    buffer across methods, views of state buffers planned as plain tensors in place."""
     return _state_view_planning_cls()()

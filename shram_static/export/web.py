@@ -1,24 +1,11 @@
 """`export_web`: a static site that runs a SHRAM model in the browser with onnxruntime-web.
 
-The site (any static file server can serve it):
-  * `index.html`: the page (prompt, sampling settings, streamed text, speed), and
-    `window.shram.generate(prompt, options)` for programs;
-  * `shram.mjs` (+ `tokenizer.mjs`, `sampling.mjs`): the ES module that owns the tokenizer, the
-    graphs, the state, sampling and stopping (the same module runs under Node);
-  * `shram.json`: what the module needs to know (files, state tensors, chunk, capacity, tokens);
-  * `model.onnx`, `model.prefill.onnx`, `model.onnx.data`: `export_onnx`'s graphs, batch 1,
-    fp32 or quantized (`quantize`: int8 or int4 MatMulNBits weights, and with int4 the token
-    embedding as int4 rows too; `shram.json` says which);
-  * `model.rows.onnx`, `model.rows.prefill.onnx`: the same graphs returning the rows each step
-    writes instead of the whole new state (`row_writes_graph`: what the module runs);
-  * in a quantized site, `model.rows.dq.onnx`, `model.rows.dq.prefill.onnx`: the row-writes
-    graphs with each MatMulNBits a float MatMul of its weight dequantized from the same bytes
-    once, at load (`onnx_quantize.dequantized_matmuls`: what onnxruntime-web runs, whose WASM
-    runs MatMulNBits 3-4x slower than float MatMul; onnxruntime-node runs MatMulNBits);
-  * `tokenizer.json` (+ `tokenizer_config.json` for the byte tokenizer);
-  * the onnxruntime-web runtime (`ort.wasm.min.mjs` and its WASM) and `coi-serviceworker.min.js`
-    (cross-origin isolation on any static host, for WASM threads), copied from the npm packages
-    that the project's `package.json` brings (`npm ci`).
+The site: `index.html` (the page, and `window.shram.generate` for programs), `shram.mjs` (+
+`tokenizer.mjs`, `sampling.mjs`: the ES module, also run under Node), `shram.json` (what the
+module needs), `export_onnx`'s batch-1 graphs and their row-writes copies (`row_writes_graph`;
+in a quantized site also with dequantized MatMuls), the tokenizer, and onnxruntime-web's runtime
+and `coi-serviceworker.min.js` from the npm packages of the project's `package.json`. See
+docs/web.md.
 """
 
 import json
@@ -30,14 +17,11 @@ from ..tokenizer import TOKENIZER_FILE, ByteTokenizer
 from .onnx import export_onnx
 
 MANIFEST_FORMAT = "shram_static.web/1"
-# onnxruntime-web's WASM-only build (the ES module, the loader it imports from its own folder, and
-# the SIMD + threads WebAssembly binary), and its WebGPU build (the page loads it only where the
-# browser has a WebGPU adapter).
+# onnxruntime-web's WASM-only build (module, loader, SIMD + threads binary) and its WebGPU build
 RUNTIME_FILES = ("ort.wasm.min.mjs", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm",
                  "ort.webgpu.min.mjs", "ort-wasm-simd-threaded.asyncify.mjs", "ort-wasm-simd-threaded.asyncify.wasm")
 PAGE_FILES = ("index.html", "shram.mjs", "tokenizer.mjs", "sampling.mjs")
-# coi-serviceworker (npm): the service worker that makes the page cross-origin isolated on any
-# static host (COOP/COEP headers added to its responses), so WASM threads are available
+# coi-serviceworker (npm): makes the page cross-origin isolated on any host, for WASM threads
 COI_FILE = "coi-serviceworker.min.js"
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"  # the page and module (package data)
 _ONNX_TYPES = {1: "float32", 6: "int32", 7: "int64", 9: "bool", 2: "uint8"}
@@ -47,9 +31,8 @@ def find_ort_web(where: str | None = None) -> Path:
     """The `dist` folder of the npm package onnxruntime-web.
 
     Args:
-        where: a `node_modules` folder, a folder holding one, or the `dist` folder itself.
-            Default: `$SHRAM_ORT_WEB`, else the `node_modules` of the current directory or one
-            above it, else of the source checkout this package runs from.
+        where: a `node_modules` folder, a folder holding one, or `dist` itself. Default:
+            `$SHRAM_ORT_WEB`, else `node_modules` here or above, else in the source checkout.
 
     Raises:
         FileNotFoundError: the runtime files are not there, with what to run (`npm ci`).
@@ -79,22 +62,15 @@ def ort_web_version(dist: Path) -> str:
 
 
 def row_writes_graph(src: str, dst: str) -> str:
-    """Writes a copy of an `export_onnx` graph whose outputs are, instead of each
-    `present.<name>`, the rows the step wrote into it: `write.<name>.index` ([n, 1] int64 rows
-    of the flat state tensor) and `write.<name>.rows` ([n, ...] their new values), in write order.
+    """Writes a copy of an `export_onnx` graph returning, instead of each `present.<name>`, the
+    rows the step wrote: `write.<name>.index` ([n, 1] int64) and `write.<name>.rows` ([n, ...]).
 
-    WHY: onnxruntime-web's CPU backend copies every output out of its WASM heap into a new
-    JavaScript array after each run and cannot write into a preallocated one, so returning the
-    whole state (2.4 MB on the built-in model) cost about half of a decode step in Chromium;
-    the rows a step writes are a few KB. The module applies them to the state it holds (last
-    write wins, as ScatterND: only the sink row, which no query reads, is written twice).
+    WHY: onnxruntime-web copies every output into a new JavaScript array after each run; the
+    rows a step writes are a few KB, the whole state megabytes (docs/web.md).
 
     Args:
         src: the graph (its weights stay in the external data file it names).
-        dst: where the copy goes (beside src, so the same data file serves both).
-
-    Returns:
-        dst.
+        dst: where the copy goes (beside src, so the same data file serves both); returned.
 
     Raises:
         ValueError: a `present.<name>` output that is not one ScatterND of `past.<name>`.
@@ -135,14 +111,8 @@ def row_writes_graph(src: str, dst: str) -> str:
 
 
 def strip_node_metadata(path: str) -> str:
-    """Rewrites the graph at `path` without its nodes' `metadata_props` (the exporter's stack
-    traces and FX names: four fifths of a graph file, and build paths no site should carry)
-    and without the shapes of its intermediate values (a fifth of what is left: onnxruntime
-    infers them when it loads the graph); the weights' external data file is left as it is.
-
-    Returns:
-        path.
-    """
+    """Rewrites the graph at `path` without its nodes' `metadata_props` (stack traces, build
+    paths) and its intermediate shapes (onnxruntime infers them); returns `path`."""
     import onnx
 
     m = onnx.load(path, load_external_data=False)
@@ -181,8 +151,8 @@ def export_web(model, tokenizer, out_dir, prefill_chunk: int | None = 32, *, par
         prefill_chunk: tokens per prefill call; None: no prefill graph (prompts token by token).
         parallel, full_logits: as `export_onnx`.
         ort_web: where onnxruntime-web is (`find_ort_web`); default: found from here.
-        quantize: None (fp32), "int8" (MatMulNBits weights, `export_onnx`'s) or "int4" (the
-            same in 4 bits, and the token embedding as int4 rows: a site is download-bound).
+        quantize: None (fp32), "int8" or "int4" (MatMulNBits weights, and with int4 the token
+            embedding as int4 rows).
 
     Returns:
         {"index": index.html, "manifest": shram.json, **export_onnx's paths}.
@@ -221,16 +191,10 @@ def export_web(model, tokenizer, out_dir, prefill_chunk: int | None = 32, *, par
              for i in graph.input if i.name.startswith("past.")]
     cfg = model.config
     manifest = {
-        "format": MANIFEST_FORMAT,
-        "files": {role: os.path.basename(p) for role, p in paths.items()},
-        "prefill_chunk": prefill_chunk or 1,
-        "capacity": cfg.inference_sequence_length,
-        "vocab_size": cfg.vocab_size,
-        "eos_token_id": tokenizer.eos_token_id,
-        "tokenizer": tok_entry,
-        "state": state,
-        "quantize": quantize,
-        "quantized_embedding": quantize == "int4",
+        "format": MANIFEST_FORMAT, "files": {role: os.path.basename(p) for role, p in paths.items()},
+        "prefill_chunk": prefill_chunk or 1, "capacity": cfg.inference_sequence_length,
+        "vocab_size": cfg.vocab_size, "eos_token_id": tokenizer.eos_token_id, "tokenizer": tok_entry,
+        "state": state, "quantize": quantize, "quantized_embedding": quantize == "int4",
         "bytes": {role: os.path.getsize(p) for role, p in paths.items()},
         "onnxruntime_web": ort_web_version(dist),
         "model": {"layers": cfg.num_decoder_layers, "width": cfg.embedding_width,
@@ -238,9 +202,7 @@ def export_web(model, tokenizer, out_dir, prefill_chunk: int | None = 32, *, par
     }
     with open(os.path.join(out_dir, "shram.json"), "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=1)
-    for name in PAGE_FILES:
-        shutil.copyfile(WEB_DIR / name, os.path.join(out_dir, name))
-    for name in RUNTIME_FILES:
-        shutil.copyfile(dist / name, os.path.join(out_dir, name))
-    shutil.copyfile(dist.parent.parent / "coi-serviceworker" / COI_FILE, os.path.join(out_dir, COI_FILE))
+    coi = dist.parent.parent / "coi-serviceworker" / COI_FILE
+    for src in [*(WEB_DIR / n for n in PAGE_FILES), *(dist / n for n in RUNTIME_FILES), coi]:
+        shutil.copyfile(src, os.path.join(out_dir, src.name))
     return {"index": os.path.join(out_dir, "index.html"), "manifest": os.path.join(out_dir, "shram.json"), **paths}

@@ -1,12 +1,5 @@
-"""The OpenAI-compatible HTTP API (FastAPI): a plain ASGI app, one model per process.
-
-`create_app(...)` returns the app; its lifespan starts the `Engine` (the model loads and
-compiles in the engine's thread, `/health` says 503 meanwhile) and stops it at shutdown. The
-app keeps no state outside itself, so several processes (replicas) serve behind any load
-balancer. Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
-`GET /health`, `GET /metrics`. Every response that is not a success, on any path, is an OpenAI
-error object (`{"error": {"message", "type", "param", "code"}}`) and is counted (`guard.py`).
-"""
+"""The OpenAI-compatible HTTP API (FastAPI): a plain ASGI app over one `Engine`, one model per
+process. Every response that is not a success is an OpenAI error object (docs/serving.md)."""
 
 import asyncio
 import contextlib
@@ -32,9 +25,7 @@ BUILTIN_NAME = "shram-static-builtin"
 
 def load_decoder(checkpoint: str | None, backend: str, batch_size: int, prefill_chunk: int,
                  stack: contextlib.ExitStack, token_ids_only: bool = False):
-    """(decoder, tokenizer) of a checkpoint directory (None: the built-in model) on `backend`,
-    with `batch_size` rows; `stack` owns an export backend's temporary directory. With
-    `token_ids_only` the tokenizer is `TokenIdsOnly` (prompts and outputs as token ids)."""
+    """(decoder, tokenizer) of a checkpoint (None: the built-in model); `stack` owns an export's files."""
     from ..decoders import make_decoder
     from ..default_model import load_model_and_tokenizer
 
@@ -47,9 +38,7 @@ def load_decoder(checkpoint: str | None, backend: str, batch_size: int, prefill_
 
 
 def attach_chat_template(tok, directory) -> None:
-    """Gives a checkpoint's HF tokenizer the chat template of its directory, if it has none
-    yet: `chat_template.jinja`, else the `chat_template` string of `tokenizer_config.json` (as
-    transformers' `AutoTokenizer` reads them). The byte tokenizer has no template."""
+    """Gives a checkpoint's HF tokenizer without one its directory's chat template (as `AutoTokenizer`)."""
     hf = getattr(tok, "tok", None)
     if hf is None or getattr(hf, "chat_template", None):
         return
@@ -73,22 +62,17 @@ def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, b
     """The server app.
 
     Args:
-        engine: an `Engine` to serve (started by the app if it is not yet); default: one that
-            loads `checkpoint` on `backend` with `batch_size` rows and `max_queue` waiting.
+        engine: an `Engine` to serve (started by the app if not yet); default: one loading `checkpoint`.
         checkpoint: checkpoint directory; None: the built-in model.
-        backend: eager, compiled, pte, pte-int8, pte-8da4w or onnx.
+        backend: one of `backends.BACKENDS`.
         batch_size: B, requests served at once (one per row).
         prefill_chunk: C, prompt tokens per prefill-shape step.
         max_queue: requests that may wait for a row; more get 429.
         api_key: when set, /v1/* requests need `Authorization: Bearer <api_key>`.
-        model_name: the id of `/v1/models` (default: the checkpoint directory's name, or
-            "shram-static-builtin").
-        max_body_bytes: the largest request body (default 1 MiB); a larger one gets 413.
-        max_stop: most stop strings per request (default 4, as OpenAI); max_stop_chars: the
-            longest one (default 64 characters). More gets 400.
-        token_ids_only: serve without a tokenizer (a checkpoint without its tokenizer.json):
-            prompts are token ids, each choice carries its `token_ids` and empty text, and a
-            text prompt, a stop string or a chat request gets 400.
+        model_name: the id of `/v1/models` (default: the checkpoint directory's name, or BUILTIN_NAME).
+        max_body_bytes: the largest request body; a larger one gets 413.
+        max_stop, max_stop_chars: most stop strings per request, and the longest; more gets 400.
+        token_ids_only: serve without a tokenizer: prompts and choices as token ids, text gets 400.
 
     Returns:
         A FastAPI (ASGI) application.
@@ -128,8 +112,7 @@ def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, b
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, e: HTTPException):
-        # FastAPI's own: an unknown path (404), a wrong method (405), a body it cannot parse
-        # (400: not UTF-8, nested too deep)
+        # FastAPI's own: an unknown path (404), a wrong method (405), an unparsable body (400)
         if e.status_code == 404:
             msg = f"unknown URL: {request.method} {request.url.path}"
         elif e.status_code == 405:
@@ -176,11 +159,8 @@ def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, b
         # unset: 16 tokens, as OpenAI's legacy completions and vLLM (at most what fits)
         n = body.max_tokens if body.max_tokens is not None else min(16, engine.capacity - len(ids) + 1)
         job = _job(body, ids, n, engine, stops, body.logprobs)
-        run = _Run(engine, job, request, "text_completion", name,
-                   echo=(text if body.echo else ""), tokenizer=engine.tokenizer)
-        if body.stream:
-            return StreamingResponse(run.stream(_usage(body)), media_type="text/event-stream")
-        return await run.complete()
+        return await _Run(engine, job, request, "text_completion", name, echo=(text if body.echo else ""),
+                          tokenizer=engine.tokenizer).respond(body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -201,15 +181,11 @@ def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, b
         ids = _check_ids(_encode(tok, text, "messages", add_bos=False), engine, "messages")
         job = _job(body, ids, body.max_completion_tokens or body.max_tokens, engine, stops,
                    (body.top_logprobs or 0) if body.logprobs else None)
-        run = _Run(engine, job, request, "chat.completion", name, tokenizer=tok)
-        if body.stream:
-            return StreamingResponse(run.stream(_usage(body)), media_type="text/event-stream")
-        return await run.complete()
+        return await _Run(engine, job, request, "chat.completion", name, tokenizer=tok).respond(body)
 
     return app
 
 
-# -- request checks ---------------------------------------------------------------------
 def _check_model(model: str | None, name: str) -> None:
     if model is not None and model != name:
         raise APIError(400, f"unknown model {model!r}: this server serves {name!r}", "model",
@@ -253,8 +229,7 @@ def _check_ids(ids: list[int], engine: Engine, param: str) -> list[int]:
     V, S = engine.decoder.config.vocab_size, engine.capacity
     if not ids:
         raise APIError(400, f"'{param}' is empty: it needs at least one token", param)
-    bad = [i for i in ids if not 0 <= i < V]
-    if bad:
+    if bad := [i for i in ids if not 0 <= i < V]:
         raise APIError(400, f"'{param}' holds token ids outside the vocabulary [0, {V}): {bad[:8]}", param)
     if len(ids) > S:
         raise APIError(400, f"'{param}' is {len(ids)} tokens, more than the model's context capacity "
@@ -290,11 +265,6 @@ def _job(body, ids: list[int], max_tokens: int | None, engine: Engine, limits: t
                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty)
 
 
-def _usage(body) -> bool:
-    return bool(body.stream_options and body.stream_options.include_usage)
-
-
-# -- running one request ------------------------------------------------------------------
 class _Run:
     """Submits one job and turns its events into an OpenAI response or an SSE stream."""
 
@@ -316,6 +286,13 @@ class _Run:
                            code="queue_full", headers={"Retry-After": "1"}) from e
         except NotReady as e:
             raise APIError(503, str(e), type_="service_unavailable", headers={"Retry-After": "1"}) from e
+
+    async def respond(self, body):
+        """An SSE stream when `body` asks for one, else the whole response."""
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self.stream(usage), media_type="text/event-stream")
+        return await self.complete()
 
     def _usage(self) -> dict:
         P, n = len(self.job.prompt), len(self.job.tokens)
@@ -343,8 +320,7 @@ class _Run:
         return out
 
     def _logprobs(self, tokens: list[int], lps: list | None):
-        """The response's `logprobs` object of these tokens (None when not asked for); a
-        completion's text offsets continue from the previous call's."""
+        """The `logprobs` object of these tokens (None when not asked for); offsets carry on."""
         if self.job.logprobs is None:
             return None
         if self.kind.startswith("chat"):
@@ -409,7 +385,6 @@ class _Run:
 
 
 async def _disconnected(request: Request) -> None:
-    """Returns when the client disconnects (the body has been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
 

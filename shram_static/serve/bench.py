@@ -1,20 +1,8 @@
-"""`shram-static bench-serve`: N concurrent streaming clients against the server, beside the
-same requests sent one at a time.
-
-The same requests (token-id prompts of random lengths, greedy, fixed output lengths, no EOS)
-run twice, each against a server started in this process on 127.0.0.1 (a free port):
-
-1. one at a time, against a batch-1 server: what serving without batching gives;
-2. all at once from N streaming clients, against a `--batch-size` B server.
-
-Reported: aggregate generated tokens/s of each run and their ratio; time to first token and
-inter-token latency (p50, p99) of the concurrent run; its busy-row occupancy (busy rows per
-step / B); and the servers' mean step times (from their /metrics), for the targets: ratio >= 2,
-concurrent p99 inter-token latency <= 2 x the batch-1 decode step + one batch-1 prefill chunk.
-Memory bandwidth drifts between runs on a shared machine: compare ratios within one run.
-"""
+"""`shram-static bench-serve`: the same requests one at a time to a batch-1 server, then from N
+concurrent streaming clients to a batch-B server, each in this process (docs/performance.md, "Serving")."""
 
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -26,11 +14,9 @@ from ..console import info
 
 
 class _IdText:
-    """Tokenizer for a model without one (the bench config): each id is the text ' <id>', no
-    EOS, so every request runs to its max_tokens and every token is one streamed chunk."""
+    """Each id is the text ' <id>', no EOS: every request runs to its max_tokens, a chunk a token."""
 
-    eos_token_id = None
-    bos_token_id = None
+    eos_token_id = bos_token_id = None
 
     def __init__(self, tokenizer=None):
         self.inner = tokenizer
@@ -64,7 +50,7 @@ async def _wait_ready(client, url: str, limit_s: float = 1800) -> None:
 
 
 async def _one(client, url: str, prompt: list[int], n: int) -> dict:
-    """One streaming request: its start, the arrival time of each streamed chunk, the tokens."""
+    """One streaming request: its start, each chunk's arrival time, the tokens."""
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
     times, text = [], []
@@ -83,8 +69,7 @@ async def _one(client, url: str, prompt: list[int], n: int) -> dict:
 
 
 async def _metrics(client, url: str) -> dict:
-    """{sample: value} of the server's /metrics, each sample named without its model label
-    (e.g. 'shram_step_seconds_sum{shape="decode"}')."""
+    """{sample: value} of /metrics, without the model label ('shram_step_seconds_sum{shape="decode"}')."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = {}
@@ -122,8 +107,6 @@ async def _run(url: str, reqs: list[tuple[list[int], int]], concurrent: bool) ->
 
 
 def _serve_once(model, tok, args, batch_size: int, reqs, concurrent: bool) -> dict:
-    import contextlib
-
     import torch
 
     from ..decoders import make_decoder
@@ -138,8 +121,7 @@ def _serve_once(model, tok, args, batch_size: int, reqs, concurrent: bool) -> di
              + (" and compiling" if args.backend == "compiled" else "") + " ...")
         app = create_app(Engine(load, max_queue=len(reqs) + 1), model_name="bench")
         with torch.no_grad(), ServerThread(app) as url:
-            # The clients run in a process of their own: in this one they would compete with
-            # the engine thread and the server for the interpreter lock and slow the steps.
+            # the clients run in a process of their own: here they would take the GIL from the steps
             job = json.dumps({"url": url, "requests": reqs, "concurrent": concurrent})
             out = subprocess.run([sys.executable, "-m", "shram_static.serve.bench"], input=job,
                                  capture_output=True, text=True, timeout=3600)
@@ -153,8 +135,7 @@ def bench_serve(args) -> int:
     from ..bench import build_model
     from ..default_model import load_model_and_tokenizer
 
-    lo_p, hi_p = _span(args.prompt_tokens)
-    lo_n, hi_n = _span(args.output_tokens)
+    (lo_p, hi_p), (lo_n, hi_n) = _span(args.prompt_tokens), _span(args.output_tokens)
     if args.checkpoint is not None:
         model, tok = load_model_and_tokenizer(args.checkpoint)
     else:

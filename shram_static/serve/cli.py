@@ -1,11 +1,5 @@
-"""`shram-static serve` and `shram-static bench-serve` (uvicorn runs the app of `app.py`).
-
-Shutdown (SIGINT / SIGTERM): the server stops accepting connections, cancels queued requests,
-lets running rows finish for up to `--shutdown-timeout` seconds, then ends the remaining
-streams with `finish_reason: "cancelled"` and `data: [DONE]`, and exits with status 0. A second
-SIGINT exits at once. A model that fails to load, or a step that fails for all rows, ends every
-request with an error and exits with status 1 (a supervisor restarts the server).
-"""
+"""`shram-static serve` and `bench-serve`. SIGINT / SIGTERM drain the server and exit with status 0
+(a second SIGINT at once); an engine that failed exits with status 1, so a supervisor restarts it."""
 
 import os
 import signal
@@ -35,9 +29,8 @@ def serve(args) -> int:
          f"http://{args.host}:{args.port}/v1; GET /health is 503 until the model is loaded"
          + (" and compiled" if args.backend == "compiled" else ""))
     server = make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level)
-    # WHY: once it has shut down cleanly uvicorn raises the signal that stopped it again, under
-    # the handler that was there before; SIGTERM's default handler would end the process with
-    # status 143, which a supervisor reads as a crash. Both signals end in a clean exit here.
+    # WHY: after a clean shutdown uvicorn raises the signal again under the previous handler;
+    # SIGTERM's default would exit with status 143, which a supervisor reads as a crash.
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         server.run()

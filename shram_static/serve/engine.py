@@ -1,32 +1,6 @@
-"""Continuous batching on the static state: one background thread owns the decoder.
-
-Each of the decoder's B rows serves one request at a time. A new request joins a free row the
-moment it is free (`HostDecoder.reset_rows`: position 0, nothing cleared) while the other rows
-keep decoding, and a finished or cancelled row is simply never marked live again. Each
-iteration runs ONE fixed-shape step (`HostDecoder.step`), so only the two compiled shapes ever
-run. Every running row gets its next token (column 0), every joining row the next piece of its
-prompt:
-
-- a prefill-shape step (C tokens a row) when no row is decoding yet, or when a joining row
-  has a long prompt left (`long_prompt`, default 4 chunks): the running rows then wait one
-  such step per chunk, shared by every prompt joining at the same time;
-- otherwise a decode-shape step: a short joining prompt goes in one token a step beside the
-  running rows, which never wait for a prefill-shape step. WHY: a prefill-shape step computes
-  all B x C tokens, live or not, and on CPU it costs several decode steps even for small C
-  (docs/performance.md, "Serving"), while a decode step of B rows costs little more than one
-  of a single row.
-
-Sampling happens per row on the host (`sampling.Sampler`, as `generate` samples), each
-request with its own `torch.Generator`, so its tokens depend only on its own logits: at
-temperature 0 they are `generate`'s for the request alone, and a seeded request samples the
-same tokens whatever else runs.
-
-Faults are isolated: an error in one request's own work (its sampling, detokenizing, stop
-checks, a non-finite logit in its row) ends that request alone with finish_reason "error",
-frees its row and is counted; the other rows go on. An error of the step itself leaves the
-shared state unusable: every queued and running request ends with an error and the engine's
-status becomes "failed" (the server then exits non-zero, so a supervisor restarts it).
-"""
+"""Continuous batching on the static state: one background thread owns the decoder, each of its B
+rows serves one request, and each iteration runs ONE fixed-shape step (`HostDecoder.step`). An error
+in one request's own work ends it alone; an error of the step fails them all (docs/serving.md)."""
 
 import collections
 import itertools
@@ -54,16 +28,9 @@ class NotReady(RuntimeError):
 
 @dataclass
 class Event:
-    """What one step produced for one request (delivered through `Job.sink`).
-
-    Attributes:
-        text: newly released text ('' when held back).
-        tokens: the new token ids (one per step).
-        logprobs: per new token (chosen logprob, {token id: logprob} of the top ones), when
-            the request asked for them.
-        finish_reason: None while running, then "stop", "length", "cancelled" or "error".
-        error: the message when finish_reason is "error".
-    """
+    """What one step produced for one request (through `Job.sink`): `text` ('' when held back), new
+    `tokens`, their `logprobs` when asked for ((logprob, {id: logprob} of the top ones) per token),
+    `finish_reason` (None while running, then "stop", "length", "cancelled" or "error"), `error`."""
 
     text: str = ""
     tokens: list[int] = field(default_factory=list)
@@ -74,19 +41,9 @@ class Event:
 
 @dataclass
 class Job:
-    """One generation request, as the engine runs it.
-
-    Attributes:
-        prompt: token ids (validated: non-empty, in the vocabulary, within capacity).
-        max_tokens: most new tokens (None: until the row's capacity).
-        temperature: 0 is greedy; top_p, top_k: nucleus / top-k filters (None: off).
-        seed: seeds this request's own sampler (None: a random seed).
-        stop: strings that end the text; logprobs: how many top logprobs per token (None: none),
-            of the model's own logits (before the bias and penalties, as vLLM returns them).
-        logit_bias, presence_penalty, frequency_penalty, repetition_penalty: adjustments of
-            each step's logits (`sampling.Sampler`), greedy or sampled.
-        sink: called from the engine thread with each `Event`; must not block.
-    """
+    """One generation request: validated `prompt` ids, `max_tokens` (None: to the row's capacity),
+    `sampling.Sampler`'s settings, `seed` (None: random), `stop` strings, `logprobs` (top logprobs per
+    token of the raw logits; None: none), `sink` (called from the engine thread; must not block)."""
 
     prompt: list[int]
     sink: Callable[[Event], None]
@@ -113,12 +70,10 @@ class Job:
 
 
 class _Row:
-    """A request in a row: how much prompt is fed, the next token to feed, its sampler and
-    the tokens it has seen (for its penalties; None without)."""
+    """A request in a row: prompt tokens fed, the next token to feed, its sampler and seen tokens."""
 
     def __init__(self, job: Job, tokenizer, eos: int | None, vocab_size: int):
-        self.job = job
-        self.fed = 0
+        self.job, self.fed = job, 0
         self.next: int | None = None  # sampled, not yet fed
         self.text = TextStream(tokenizer, job.stop, eos)
         self.sampler = Sampler(job.temperature, job.top_k, job.top_p, logit_bias=job.logit_bias,
@@ -134,14 +89,10 @@ class Engine:
     """Runs requests on the B rows of one decoder, in a background thread.
 
     Args:
-        load: called once in the engine thread; returns (decoder, tokenizer). The decoder is a
-            `HostDecoder`; its rows serve one request each.
-        max_queue: most requests waiting while every row is busy; `submit` raises `QueueFull`
-            beyond (B + max_queue requests at once are all taken).
-        warmup: run both step shapes once (all tokens dead: no state changes) before
-            reporting ready, so a compiled decoder compiles before the first request.
-        long_prompt: prompt tokens left from which a joining row is prefilled in
-            prefill-shape steps while other rows decode (default: 4 x prefill_chunk).
+        load: called once in the engine thread; returns (decoder: a `HostDecoder`, tokenizer).
+        max_queue: most requests waiting while every row is busy (`submit` raises `QueueFull` beyond).
+        warmup: run both step shapes once (dead tokens) before ready: a compiled decoder compiles then.
+        long_prompt: prompt tokens left from which a joining row gets prefill-shape steps (default: 4 chunks).
     """
 
     def __init__(self, load: Callable, max_queue: int = 64, warmup: bool = True,
@@ -152,19 +103,16 @@ class Engine:
         self.warmup = warmup
         self.status = "loading"  # -> "compiling" -> "ready" (or "failed"), then "stopped"
         self.error: str | None = None
-        self.decoder = None
-        self.tokenizer = None
+        self.decoder = self.tokenizer = None
         self.metrics = Metrics()
         self._pending: collections.deque[Job] = collections.deque()
         self._rows: list[_Row | None] = []
         self._cv = threading.Condition()
-        self._stop = False
-        self._draining = False
+        self._stop = self._draining = False
         self._seq = itertools.count()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="shram-static-engine", daemon=True)
 
-    # -- control ------------------------------------------------------------------------
     def start(self) -> "Engine":
         """Starts the engine thread (loading the model there); returns self."""
         self._thread.start()
@@ -184,8 +132,7 @@ class Engine:
             self._thread.join(timeout)
 
     def drain(self, timeout: float) -> None:
-        """Shuts down cleanly: takes no more requests, cancels the queued ones, lets running
-        rows finish for up to `timeout` seconds, then cancels the rest and ends the thread."""
+        """Cancels the queued requests, lets running rows finish for `timeout` s, then `stop`s."""
         with self._cv:
             self._draining = True
             jobs = list(self._pending)
@@ -199,8 +146,7 @@ class Engine:
 
     @property
     def long_prompt(self) -> int:
-        """Prompt tokens left from which a joining row gets prefill-shape steps even while
-        other rows decode (default: 4 chunks)."""
+        """Prompt tokens left from which a joining row gets prefill-shape steps (default: 4 chunks)."""
         return self._long_prompt if self._long_prompt is not None else 4 * self.decoder.prefill_chunk
 
     @property
@@ -228,8 +174,7 @@ class Engine:
         return sum(r is not None for r in self._rows)
 
     def submit(self, job: Job) -> Job:
-        """Queues a validated request (FIFO); returns it. It takes a free row at the engine's
-        next iteration, or waits for one while every row is busy.
+        """Queues a validated request (FIFO) for the next free row; returns it.
 
         Raises:
             NotReady: the model is not loaded and compiled yet.
@@ -240,8 +185,7 @@ class Engine:
                 raise NotReady("the server is shutting down")
             if self.status != "ready":
                 raise NotReady(self.error or f"the model is {self.status}")
-            # the queued requests take the free rows first (at the engine's next iteration): only
-            # those beyond them wait, and only they count against max_queue
+            # the queued requests take the free rows first: only those beyond count against max_queue
             free = sum(r is None for r in self._rows)
             if len(self._pending) >= self.max_queue + free:
                 self.metrics.observe_rejected()
@@ -252,7 +196,6 @@ class Engine:
             self._cv.notify()
         return job
 
-    # -- the engine thread --------------------------------------------------------------
     def _main(self) -> None:
         try:
             self.decoder, self.tokenizer = self._load()
@@ -290,8 +233,7 @@ class Engine:
             self._end(job, reason, error=error)
 
     def _iterate(self) -> bool:
-        """Admits waiting requests into free rows, drops cancelled ones, runs one step.
-        Returns False once stopped."""
+        """Admits waiting requests, drops cancelled ones, runs one step; False once stopped."""
         rows = self._rows
         with self._cv:
             while not self._stop and not self._pending and all(r is None for r in rows):
@@ -302,10 +244,9 @@ class Engine:
                 if r is not None and r.job.cancelled:
                     rows[b] = None
                     self._end(r.job, "cancelled")
-            if any(job.cancelled for job in self._pending):  # gone before getting a row
-                for job in [job for job in self._pending if job.cancelled]:
-                    self._pending.remove(job)
-                    self._end(job, "cancelled")
+            for job in [job for job in self._pending if job.cancelled]:  # gone before getting a row
+                self._pending.remove(job)
+                self._end(job, "cancelled")
             while self._pending and None in rows:
                 job = self._pending.popleft()
                 try:
@@ -318,9 +259,8 @@ class Engine:
                 rows[b] = row
                 self.decoder.reset_rows(b)
                 self.metrics.observe_admit(len(job.prompt), time.perf_counter() - job.t_submit, len(self._pending))
-        if all(r is None for r in rows):
-            return True
-        self._step()
+        if any(r is not None for r in rows):
+            self._step()
         return True
 
     def _step(self) -> None:
@@ -329,16 +269,13 @@ class Engine:
         running = [b for b, r in enumerate(rows) if r is not None and r.next is not None]
         joining = [b for b, r in enumerate(rows) if r is not None and r.next is None]
         left = [len(rows[j].job.prompt) - rows[j].fed for j in joining]
-        # The prefill shape when no row is decoding (it stalls nobody) or for a long prompt;
-        # else joining prompts go one token per decode-shape step beside the running rows,
-        # which then never wait for a prefill step (see the module docstring).
+        # prefill shape when no row decodes (it stalls nobody) or for a long prompt, else a token a step
         W = C if joining and (not running or max(left) >= self.long_prompt) else 1
         ids = torch.zeros(B, W, dtype=torch.long)
         live = torch.zeros(B, W, dtype=torch.bool)
         for b in running:
             ids[b, 0], live[b, 0] = rows[b].next, True
-        # Every joining row's next chunk rides in the same step: a fixed-shape step computes
-        # all B x W tokens whether live or not, so this costs no step any longer.
+        # every joining row's next chunk rides in the same step: all B x W tokens are computed anyway
         chunks = {}
         for j in joining:
             r = rows[j]
@@ -346,9 +283,7 @@ class Engine:
             ids[j, :len(chunks[j])] = torch.tensor(chunks[j])
             live[j, :len(chunks[j])] = True
         t0 = time.perf_counter()
-        # (B, 1, V) at each row's last live token: a running row's one token, a joining row's
-        # chunk end (the lm_head runs for B rows, not B x W). Any other error of the step
-        # leaves the shared state unknown: it goes up to `_main`, which ends everything.
+        # (B, 1, V) at each row's last live token; any other error leaves the state unknown: `_main` ends all
         bad = {}
         try:
             logits = dec.step(ids, live, last_only=True)

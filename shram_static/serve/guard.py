@@ -1,11 +1,5 @@
 """ASGI middleware around the app: every response that is not a success is an OpenAI error
-object, and is counted.
-
-- `Guard` (outermost): refuses a body over the size limit (413, before it is read whole) and a
-  POST body of another declared type than JSON (415), reads a POST body without a Content-Type
-  as JSON (as llama.cpp's server does), answers an unhandled exception with a 500 error object
-  (logged with its traceback), and counts every response with a status >= 400 by status;
-- `BearerAuth`: /v1/* requests need `Authorization: Bearer <api_key>` (else 401).
+object, and is counted (`Guard`, outermost); `BearerAuth` checks the API key on /v1/*.
 """
 
 import logging
@@ -20,7 +14,7 @@ log = logging.getLogger("shram_static.serve")
 
 
 class Guard:
-    """ASGI middleware: body limit, JSON content type, errors as OpenAI objects, error counts.
+    """ASGI middleware: body limit (413), JSON bodies (415; no Content-Type: JSON), bugs as 500s, counts.
 
     Args:
         app: the ASGI app.
@@ -52,8 +46,7 @@ class Guard:
             return
         ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if scope["method"] == "POST" and not ctype:
-            # WHY: recent FastAPI (strict_content_type) reads a body without a Content-Type as bytes,
-            # not JSON; curl --data-binary and plain HTTP clients send none
+            # WHY: recent FastAPI reads a body without a Content-Type as bytes; curl --data-binary sends none
             scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
                      + [(b"content-type", b"application/json")]}
         elif scope["method"] == "POST" and ctype != b"application/json" and not ctype.endswith(b"+json"):
@@ -61,8 +54,7 @@ class Guard:
                 415, f"the request body must be JSON (Content-Type: application/json), got "
                      f"{ctype.decode('latin-1')!r}", type_="invalid_request_error", code="unsupported_media_type"))
             return
-        # The body is read here, whole, up to the limit (a chunked body has no Content-Length),
-        # then handed to the app as one message; later messages (a disconnect) pass through.
+        # read whole up to the limit (a chunked body has no Content-Length), handed on as one message
         body, more = [], True
         while more:
             message = await receive()

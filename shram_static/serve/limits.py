@@ -1,7 +1,5 @@
-"""The server's default limits on one request (each configurable: `create_app`, `serve` flags).
-
-A leaf module (it imports nothing), so the CLI names the defaults without importing the server.
-"""
+"""The server's default limits on one request (`create_app`, `serve` flags); a leaf module, so the
+CLI names them without importing the server."""
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: a prompt of the longest context with room to spare -> 413 beyond
 MAX_STOP = 4  # stop strings per request, as OpenAI's API

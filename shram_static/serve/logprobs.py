@@ -1,11 +1,5 @@
-"""The `logprobs` objects of OpenAI's responses, from the engine's per-token logprobs.
-
-The engine reports, for each generated token, its log-probability and those of the most likely
-tokens under the model's own logits (log-softmax of the step's logits before `logit_bias`, the
-penalties and the temperature: vLLM's default, "raw" logprobs). A token's text is its decoded
-text alone, and its `bytes` that text's UTF-8 (as vLLM writes them); a token that is part of a
-multi-byte character decodes to U+FFFD.
-"""
+"""The `logprobs` objects of OpenAI's responses, of the model's raw logits (before bias, penalties and
+temperature, as vLLM); a token's text is its decoded text alone (U+FFFD for part of a character)."""
 
 __all__ = ["chat_logprobs", "completion_logprobs"]
 
@@ -20,17 +14,15 @@ def completion_logprobs(tokenizer, tokens: list[int], lps: list, offset: int) ->
         offset: the text offset of the first token (the length of the text before it).
 
     Returns:
-        ({"tokens", "token_logprobs", "top_logprobs", "text_offset"}, the offset after them);
-        each `top_logprobs` entry holds the sampled token too (up to logprobs + 1 entries, as
-        OpenAI's legacy completions).
+        ({"tokens", "token_logprobs", "top_logprobs", "text_offset"}, the offset after them); each
+        `top_logprobs` entry holds the sampled token too, as OpenAI's legacy completions.
     """
     texts = [tokenizer.decode([i]) for i in tokens]
     offsets = []
     for t in texts:
         offsets.append(offset)
         offset += len(t)
-    # as OpenAI: the top tokens, and the sampled one too when it is not among them; tokens of
-    # the same text (parts of characters: U+FFFD) keep the largest logprob
+    # as OpenAI: the top tokens, and the sampled one if not among them; one text keeps its largest logprob
     tops = []
     for text, (c, top) in zip(texts, lps):
         tops.append({})
@@ -42,8 +34,7 @@ def completion_logprobs(tokenizer, tokens: list[int], lps: list, offset: int) ->
 
 
 def chat_logprobs(tokenizer, tokens: list[int], lps: list) -> dict:
-    """Chat completions' `logprobs` object ({"content": [...], "refusal": None}) of some
-    generated tokens (arguments as `completion_logprobs`)."""
+    """Chat completions' `logprobs` object of some generated tokens (arguments as `completion_logprobs`)."""
 
     def entry(i: int, lp: float) -> dict:
         text = tokenizer.decode([i])

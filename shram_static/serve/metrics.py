@@ -1,18 +1,12 @@
-"""The server's metrics (`GET /metrics`), kept and written by `prometheus_client`.
-
-Each engine has its own `CollectorRegistry` (one model per process; several apps in one
-process, as in tests, never share a series). Every series carries the served model's name as
-its `model` label; `prometheus_client` escapes it. Latencies are histograms, as vLLM's and
-TGI's: time to first token, inter-token latency, request latency and queue wait.
-"""
+"""The server's metrics (`GET /metrics`) by `prometheus_client`: a registry per engine, every series
+labelled with the served model's name."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
-# Bucket bounds in seconds: the built-in model's decode step takes about a millisecond on
-# CPU, the bench model's tens of milliseconds; a long request runs for minutes.
+# Bucket bounds in seconds, from a small model's decode step to a long request
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -27,7 +21,6 @@ class Metrics:
     """
 
     def __init__(self, model: str = ""):
-        self.model = model
         r = self.registry = CollectorRegistry()
         m = ["model"]
         self.requests = Counter("shram_requests", "Requests finished, by finish_reason.",
@@ -81,7 +74,6 @@ class Metrics:
                 self.generation_tokens, self.queue_depth, self.busy_rows, self.batch_rows, self.row_steps,
                 self.busy_row_steps, self.step_seconds, self.ttft, self.itl, self.latency, self.queue_wait]
 
-    # -- recording (engine thread, server thread) ---------------------------------------
     def observe_step(self, kind: str, seconds: float, busy: int, batch_size: int) -> None:
         """Records one step of `kind` ("decode" / "prefill") with `busy` of `batch_size` rows in use."""
         self._steps[kind].observe(seconds)
@@ -90,8 +82,7 @@ class Metrics:
         self._busy_rows.inc(busy)
 
     def observe_token(self, first: bool, seconds: float) -> None:
-        """Records one generated token, `seconds` after the request's arrival (first token) or
-        after its previous token."""
+        """Records one generated token, `seconds` after the request's arrival (first) or previous token."""
         self._tokens.inc()
         (self._ttft if first else self._itl).observe(seconds)
 
@@ -107,8 +98,7 @@ class Metrics:
         self.queue_depth.labels(self.model).set(queue_depth)
 
     def observe_http_error(self, status: int) -> None:
-        """Records a response that was not a success (400s also count as invalid requests,
-        429s from a full queue as rejected ones)."""
+        """Records a response that was not a success (a 400 also as an invalid request)."""
         self.http_errors.labels(self.model, str(status)).inc()
         if status == 400:
             self.invalid.labels(self.model).inc()
@@ -116,10 +106,8 @@ class Metrics:
     def observe_rejected(self) -> None:
         self.rejected.labels(self.model).inc()
 
-    # -- reading ------------------------------------------------------------------------
     def value(self, name: str, **labels) -> float:
-        """The current value of one sample, e.g. `value("shram_generation_tokens_total")` (0 if
-        it does not exist yet)."""
+        """The current value of one sample, e.g. `value("shram_generation_tokens_total")` (0 if none yet)."""
         v = self.registry.get_sample_value(name, {"model": self.model, **labels})
         return 0.0 if v is None else v
 

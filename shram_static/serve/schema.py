@@ -1,12 +1,5 @@
-"""OpenAI request bodies (pydantic) and OpenAI-style error objects.
-
-Types are strict (a string is not a number, 1 is not a bool) and every error names the request
-field it is about. Every field of OpenAI's requests is either honoured or refused: the schema
-admits only the values this server serves (`tools` only null, `best_of` only 1, ...), so a
-client never gets silently different behaviour from what it asked for; a field OpenAI does not
-define (beyond the `top_k` and `repetition_penalty` of vLLM and llama.cpp) is refused too, as
-OpenAI's own API does ("Unrecognized request argument").
-"""
+"""OpenAI request bodies (pydantic, strict) and OpenAI-style error objects. Every OpenAI field is
+honoured or refused (only the values served are admitted); unknown fields are refused, as OpenAI does."""
 
 from typing import Annotated, Literal
 
@@ -22,8 +15,7 @@ class APIError(Exception):
         status: HTTP status (400, 401, 429, 503, ...).
         message: what is wrong and what to do about it.
         param: the request field it is about (None: the request as a whole).
-        type_: OpenAI's error type.
-        code: OpenAI's error code (None when it has none).
+        type_, code: OpenAI's error type and code (None: none).
         headers: extra response headers (e.g. Retry-After).
     """
 
@@ -35,12 +27,10 @@ class APIError(Exception):
         self.type, self.code, self.headers = type_, code, headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-# OpenAI request fields this server takes only in the values it serves: what a refused value
-# gets told (the schema below admits only the served values)
+# OpenAI request fields taken only in the values served: what a refused value gets told
 UNSUPPORTED = {
     "n": "one choice per request: n can only be 1 (send several requests)",
     "best_of": "one completion per request: best_of can only be 1",
@@ -62,10 +52,7 @@ UNSUPPORTED = {
 
 
 def validation_error(errors: list[dict]) -> APIError:
-    """A 400 `APIError` for pydantic / FastAPI validation errors (the first one is reported).
-
-    Its `param` is the request field (the first key after "body"), e.g. "max_tokens".
-    """
+    """A 400 `APIError` for pydantic / FastAPI validation errors (the first one), `param` its field."""
     e = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     loc = [p for p in e.get("loc", ()) if p != "body"]
     if e.get("type") == "json_invalid":
@@ -90,8 +77,7 @@ def validation_error(errors: list[dict]) -> APIError:
 
 
 def _unicode(s: str) -> str:
-    """WHY: JSON can hold a lone surrogate ("\\ud800"), which Python keeps in a str but which no
-    tokenizer or UTF-8 response can encode."""
+    """WHY: JSON can hold a lone surrogate ("\\ud800"), which no tokenizer or UTF-8 response encodes."""
     try:
         s.encode("utf-8")
     except UnicodeEncodeError:
@@ -127,8 +113,7 @@ class _Sampling(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=1)
-    # OpenAI's adjustments of each step's logits (sampling.Sampler), and the repetition
-    # penalty of vLLM and llama.cpp
+    # adjustments of each step's logits (sampling.Sampler); repetition_penalty: vLLM's and llama.cpp's
     logit_bias: dict[TokenId, Bias] | None = None
     presence_penalty: float | None = Field(None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
     frequency_penalty: float | None = Field(None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)

@@ -1,13 +1,5 @@
-"""The uvicorn server of the app: a shutdown that drains the engine first, and a server in a
-thread of this process (tests, `bench-serve`).
-
-Shutdown (SIGINT / SIGTERM, or `should_exit`): the server stops accepting connections, cancels
-queued requests, lets running rows finish for up to `shutdown_timeout` seconds, then ends the
-remaining streams with `finish_reason: "cancelled"` and `data: [DONE]`. The server also shuts
-down by itself once its engine has failed (the model did not load, or its step failed for all
-rows), with `failed` set to the error, so that the process exits non-zero and a supervisor
-restarts it instead of a server answering 503 for ever.
-"""
+"""The uvicorn server of the app (its shutdown drains the engine; it exits once the engine failed, with
+`failed` set, so a supervisor restarts it), and a server in a thread (tests, `bench-serve`)."""
 
 import asyncio
 import threading
@@ -28,9 +20,8 @@ def import_server():
 
 def make_server(app, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 10.0,
                 log_level: str = "info"):
-    """A `uvicorn.Server` for `app` whose shutdown first drains the app's engine, and which
-    shuts down once the engine failed, setting `.failed` to its error (see the module
-    docstring). Run it with `.run()` (main thread: handles signals) or `await .serve()`."""
+    """A `uvicorn.Server` for `app` that drains the app's engine on shutdown and shuts down once the
+    engine failed (`.failed`). Run it with `.run()` (main thread: handles signals) or `await .serve()`."""
     uvicorn = import_server()
     engine = app.state.engine
 
@@ -56,11 +47,8 @@ def make_server(app, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout
 
 
 class ServerThread:
-    """Context manager: `app` served on 127.0.0.1 (a free port unless `port` is given) by a
-    `make_server` uvicorn server in a daemon thread of this process; yields the base URL
-    ("http://127.0.0.1:PORT"). On exit the server shuts down as on SIGTERM (the engine
-    drains for `shutdown_timeout` s) and the thread is joined. For tests and `bench-serve`.
-    """
+    """Context manager: `app` served on 127.0.0.1 (a free port unless `port` is given) by `make_server`
+    in a daemon thread; yields "http://127.0.0.1:PORT". On exit it shuts down as on SIGTERM."""
 
     def __init__(self, app, port: int = 0, shutdown_timeout: float = 5.0, start_timeout: float = 60.0):
         self.server = make_server(app, "127.0.0.1", port, shutdown_timeout, log_level="warning")

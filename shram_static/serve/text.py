@@ -1,10 +1,5 @@
-"""Incremental text of one generated sequence: complete characters only, stop strings cut.
-
-A byte-level tokenizer produces a multi-byte UTF-8 character over several tokens; until its
-last byte is in, the decoded text ends in U+FFFD. `TextStream` holds such a tail back (as
-`generation.TextTokenStreamer` does), and also any tail that could still become a stop string,
-so a streamed delta never has to be taken back.
-"""
+"""Incremental text of one generated sequence: a tail that ends in U+FFFD (an incomplete character)
+or could still become a stop string is held back, so a streamed delta is never taken back."""
 
 
 class TextStream:
@@ -25,10 +20,7 @@ class TextStream:
         self.stopped = False
 
     def push(self, token: int) -> str:
-        """Adds one generated token; returns the newly released text ('' if held back).
-
-        After EOS or a completed stop string `stopped` is True and no more text is released.
-        """
+        """Adds one generated token; returns the newly released text ('' if held back or `stopped`)."""
         if self.stopped:
             return ""
         if token == self.eos_token_id:
@@ -51,9 +43,7 @@ class TextStream:
 
     def flush(self) -> str:
         """Releases everything held back (the sequence ended without a stop)."""
-        if self.stopped:
-            return ""
-        return self._release(self.tokenizer.decode(self.tokens))
+        return "" if self.stopped else self._release(self.tokenizer.decode(self.tokens))
 
     def _release(self, text: str) -> str:
         if not text.startswith(self.text):  # never happens for prefix-stable decoders

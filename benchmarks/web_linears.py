@@ -1,0 +1,77 @@
+"""One linear layer in onnxruntime-web's WASM (Node, one thread): float MatMul, int8
+DynamicQuantizeMatMul and 4-bit MatMulNBits at one row, the kernels a quantized page could run.
+
+    python benchmarks/web_linears.py [--shapes 512x1536,512x50277] [--runs 200]
+
+Needs `npm ci` (onnxruntime-web). Prints microseconds per call for each kernel and shape.
+"""
+
+import argparse
+import os
+import subprocess
+import tempfile
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNNER = """
+import * as ort from "%s";
+import fs from "fs";
+ort.env.wasm.numThreads = 1;
+const [dir, runs, ...names] = process.argv.slice(2);
+for (const name of names) {
+  const s = await ort.InferenceSession.create(fs.readFileSync(`${dir}/${name}.onnx`),
+      {executionProviders: ["wasm"]});
+  const k = Number(name.split("_")[1].split("x")[0]);
+  const x = new ort.Tensor("float32", Float32Array.from({length: k}, (_, i) => Math.sin(i)), [1, k]);
+  for (let i = 0; i < 20; i++) await s.run({x});
+  const t0 = performance.now();
+  for (let i = 0; i < Number(runs); i++) await s.run({x});
+  console.log(`${name}\\t${((performance.now() - t0) / Number(runs) * 1000).toFixed(1)} us`);
+}
+"""
+
+
+def linear_model(kind: str, k: int, n: int) -> onnx.ModelProto:
+    """A one-node graph y = x @ W for a random (k, n) W, as `kind` stores and multiplies it."""
+    w = (np.random.default_rng(0).standard_normal((k, n)) * 0.05).astype(np.float32)
+    if kind == "int8":  # per-output scale, int8 activations quantized by the op
+        s = (np.abs(w).max(0) / 127).astype(np.float32)
+        inits = [numpy_helper.from_array(np.round(w / s).astype(np.int8), "W"), numpy_helper.from_array(s, "S")]
+        node = helper.make_node("DynamicQuantizeMatMul", ["x", "W", "S"], ["y"], domain="com.microsoft")
+    else:
+        inits, node = [numpy_helper.from_array(w, "W")], helper.make_node("MatMul", ["x", "W"], ["y"])
+    graph = helper.make_graph([node], "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    if kind == "int4":
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+        q = MatMulNBitsQuantizer(model, block_size=32, is_symmetric=True, accuracy_level=4)
+        q.process()
+        model = q.model.model
+    return model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="512x1536,512x50277")
+    p.add_argument("--runs", type=int, default=200)
+    a = p.parse_args()
+    ort_web = os.path.join(ROOT, "node_modules", "onnxruntime-web", "dist", "ort.node.min.mjs")
+    with tempfile.TemporaryDirectory() as d:
+        names = []
+        for shape in a.shapes.split(","):
+            k, n = map(int, shape.split("x"))
+            for kind in ("fp32", "int8", "int4"):
+                names.append(f"{kind}_{k}x{n}")
+                onnx.save(linear_model(kind, k, n), os.path.join(d, names[-1] + ".onnx"))
+        with open(os.path.join(d, "run.mjs"), "w") as f:
+            f.write(RUNNER % ort_web)
+        subprocess.run(["node", os.path.join(d, "run.mjs"), d, str(a.runs), *names], check=True)
+
+
+if __name__ == "__main__":
+    main()
