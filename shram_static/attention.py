@@ -28,8 +28,7 @@ def slot_bias(last: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> to
         dtype: the scores' dtype; the bias is (..., S).
     """
     gap = last.to(torch.float32) - slots  # (..., S), >= 0 where visible
-    big = torch.finfo(torch.float32).max
-    return (gap * big).clamp(min=torch.finfo(dtype).min / 2, max=0.0).to(dtype)
+    return (gap * torch.finfo(torch.float32).max).clamp(min=torch.finfo(dtype).min / 2, max=0.0).to(dtype)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,

@@ -207,10 +207,8 @@ class ShramCache(Cache):
                 if c0 >= first:
                     chunks.append(lg)
             logits = torch.cat(chunks, dim=1)[:, :N - first]
-        if keep:
-            logits = logits[:, -keep:]
         self.columns.add_(N)
-        return logits
+        return logits[:, -keep:] if keep else logits
 
     def _step(self, model, tokens: torch.Tensor, live: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         logits, _ = step(model=model, state=self.state.tensors(), tokens=tokens, input_pos=self.live_counts,

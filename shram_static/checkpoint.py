@@ -37,10 +37,10 @@ def _resolve_kwargs(path: str, dtype, kwargs: dict):
     if unknown:
         raise TypeError(f"ShramForCausalLM.from_pretrained got unsupported keyword arguments {unknown}; "
                         f"it takes a local checkpoint directory, dtype= and config=")
-    if isinstance(dtype, str):
-        if dtype != "auto" and not isinstance(getattr(torch, dtype, None), torch.dtype):
+    if isinstance(dtype, str) and dtype != "auto":
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
-        dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+        dtype = getattr(torch, dtype)
     if dtype != "auto" and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch.dtype or 'auto', got {dtype!r}")
     return path, dtype
@@ -64,10 +64,11 @@ def load_pretrained(cls, path, dtype: torch.dtype | str = torch.float32, config:
             raise FileNotFoundError(f"checkpoint directory {path!r} has no {f}")
     if config is None:
         config = _read_config(os.path.join(path, CONFIG_FILE))
+    weights = os.path.join(path, WEIGHTS_FILE)
     try:
-        sd = load_file(os.path.join(path, WEIGHTS_FILE))
+        sd = load_file(weights)
     except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{os.path.join(path, WEIGHTS_FILE)} is not a readable safetensors file: {e}") from e
+        raise CheckpointError(f"{weights} is not a readable safetensors file: {e}") from e
     # built on the meta device (no random init, no global-RNG use), then given the file's tensors
     with torch.device("meta"):
         model = cls(config)
@@ -81,10 +82,9 @@ def load_pretrained(cls, path, dtype: torch.dtype | str = torch.float32, config:
         ("missing keys", missing), ("unexpected keys", extra), ("misshapen keys", wrong),
         ("keys of unsupported dtype (need fp32, bf16 or fp16)", bad_dtype)) if keys]
     if problems:
-        raise CheckpointError(f"{os.path.join(path, WEIGHTS_FILE)} does not match its config.json: "
-                              + "; ".join(problems))
+        raise CheckpointError(f"{weights} does not match its config.json: " + "; ".join(problems))
     if check_finite:
-        check_finite_tensors(sd, os.path.join(path, WEIGHTS_FILE))
+        check_finite_tensors(sd, weights)
     if dtype == "auto":  # the file's dtype (its first floating tensor's)
         dtype = next(iter(sd.values())).dtype
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
@@ -96,8 +96,7 @@ def check_finite_tensors(sd: dict, where: str) -> None:
     """Raises CheckpointError naming every tensor of `sd` that holds a NaN or an Inf (`where`: the
     file). WHY at load: one NaN weight makes every logit NaN, and greedy decoding emits token 0."""
     bad = []
-    for k in sorted(sd):
-        t = sd[k]
+    for k, t in sorted(sd.items()):
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
             bad.append(f"{k} ({nan} NaN, {inf} Inf of {t.numel()})")
@@ -126,7 +125,6 @@ def _read_config(config_path: str) -> ShramConfig:
 
 def save_pretrained(model, path) -> None:
     """See `ShramForCausalLM.save_pretrained`."""
-    path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     model.config.to_json_file(os.path.join(path, CONFIG_FILE))
     sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}

@@ -40,20 +40,17 @@ def generate(args) -> int:
     with contextlib.ExitStack() as stack:
         spec = args.speculate or (4 if args.draft is not None else None)
         verify = spec + 1 if spec else None
-        dec = make_decoder(model, args.backend, args.prefill_chunk, stack, tok.eos_token_id,
-                           getattr(tok, "bos_token_id", None), verify_len=verify)
-        draft = None
+        load = lambda m: make_decoder(m, args.backend, args.prefill_chunk, stack,  # noqa: E731
+                                      tok.eos_token_id, getattr(tok, "bos_token_id", None), verify_len=verify)
+        dec, draft = load(model), None
         if args.draft is not None:  # the draft runs on the same backend
             info(f"loading the draft model {args.draft} ...")
-            draft_model, _ = load_model_and_tokenizer(args.draft)
-            draft = make_decoder(draft_model, args.backend, args.prefill_chunk, stack, tok.eos_token_id,
-                                 getattr(tok, "bos_token_id", None), verify_len=verify)
+            draft = load(load_model_and_tokenizer(args.draft)[0])
         if args.backend.startswith("compiled"):  # compiled ahead, so the time below is generation's
             t0 = time.perf_counter()
             kinds = ("decode", "prefill_last") + (("verify",) if verify else ())
-            for d in (dec, draft):
-                if d is not None:
-                    d.warm_up(kinds)
+            for d in [dec] if draft is None else [dec, draft]:
+                d.warm_up(kinds)
             info(f"compiled in {time.perf_counter() - t0:.1f} s")
         t0 = time.perf_counter()
         dec.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
@@ -94,8 +91,7 @@ def _add_generate(subparsers) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shram-static",
                                      description="SHRAM language models from static graphs.")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    subparsers.required = True
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate(subparsers)
     from . import evaluate, train
     from .bench import cli as bench_cli

@@ -3,6 +3,7 @@ so stdout stays the result)."""
 
 import argparse
 import contextlib
+import functools
 import logging
 import sys
 import warnings
@@ -59,13 +60,7 @@ LEAFSPEC_NOTICE = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 # The start of ExecuTorch's emitter warning for a mutated buffer whose initial bytes it does not store
 MUTABLE_BUFFER_NOTICE = "Mutation on a buffer in the model is detected"
 
-
-def without_mutable_buffer_notice():
-    """`quiet_warnings` for ExecuTorch's notice that a method's mutated buffers start meaningless.
-    WHY: a `.pte`'s state is initialised by its first method and shared, so the notice misleads."""
-    return quiet_warnings(UserWarning, MUTABLE_BUFFER_NOTICE)
-
-
-def without_leafspec_notice():
-    """`quiet_warnings` for torch's LeafSpec FutureWarning (both exporters' lowering)."""
-    return quiet_warnings(FutureWarning, LEAFSPEC_NOTICE)
+# WHY hidden: a `.pte`'s state is initialised by its first method and shared, so the notice misleads
+without_mutable_buffer_notice = functools.partial(quiet_warnings, UserWarning, MUTABLE_BUFFER_NOTICE)
+# torch's LeafSpec FutureWarning, hidden around both exporters' lowering
+without_leafspec_notice = functools.partial(quiet_warnings, FutureWarning, LEAFSPEC_NOTICE)

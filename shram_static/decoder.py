@@ -17,37 +17,24 @@ from .step import StepModule
 from .validation import check_verify_len
 
 
-# Inductor option for a compiled step of 2..FEW_ROWS rows: store a value read by several
-# consumers (each RowLinear's row reductions). WHY: Inductor inlines the RMSNorm into every
-# consumer and keeps libm's errno semantics, so its rsqrt stays in the innermost loop
-# (docs/performance.md, "Compiled torch").
+# Inductor option for a compiled step of 2..FEW_ROWS rows: store a value several consumers read. WHY:
+# else the RMSNorm, its rsqrt included, is inlined into each RowLinear's innermost loop (docs/performance.md).
 ROW_INPUTS_STORED = {"realize_reads_threshold": 1}
 
 # Inductor option: no `assert_size_stride` calls in the generated wrapper. WHY: they re-check
 # every weight and state tensor on every call; Dynamo's guards and `_run`'s fixed shapes suffice.
 NO_SIZE_ASSERTS = {"size_asserts": False}
 
-# Inductor option: the C++ compiler may contract a product and the sum it feeds into one FMA.
-# WHY: Inductor builds with -ffp-contract=off, and the few-token steps are bound by the separate
-# multiplies and adds (docs/performance.md, "Compiled torch"). Empty where a torch lacks it.
+# Inductor option: a product and the sum it feeds may contract into one FMA. WHY: Inductor builds with
+# -ffp-contract=off, and the few-token steps are bound by the multiplies and adds. Empty where torch lacks it.
 FMA_CONTRACTION = ({"cpp.enable_floating_point_contract_flag": "fast"}
                    if hasattr(torch._inductor.config.cpp, "enable_floating_point_contract_flag") else {})
 
 
 def owned_guards(entries) -> list[bool]:
-    """Dynamo's `guard_filter_fn` for every compiled step: keeps the guards on the step's inputs
-    and on global state, drops those on the decoder's own model copy and on module globals.
-
-    WHY: those are hundreds of checks per call (docs/performance.md, "Host cost of the compiled
-    step"); no caller's code reaches the copy, `_follow_weights` notices a changed weight, and
-    each decoder's steps are code objects of its own (docs/design.md, "How each backend runs the step").
-
-    Args:
-        entries: Dynamo's guard entries of one graph.
-
-    Returns:
-        one bool per entry: keep it.
-    """
+    """Dynamo's `guard_filter_fn` for every compiled step: one bool per guard entry, False for
+    those on the decoder's own model copy and on module globals. WHY: hundreds of checks per call,
+    and no caller's code reaches the copy (docs/design.md, "How each backend runs the step")."""
     mods = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
     glob = torch.compiler.skip_guard_on_globals_unsafe(entries)
     return [m and g for m, g in zip(mods, glob)]
@@ -55,9 +42,8 @@ def owned_guards(entries) -> list[bool]:
 
 STEP_OPTIONS = {**NO_SIZE_ASSERTS, **FMA_CONTRACTION, "guard_filter_fn": owned_guards}
 KINDS = ("decode", "prefill", "verify", "prefill_last")  # the kinds of step (`StaticDecoder.step_function`)
-# A compiled kind of step is two graphs, prefixes of at most and of more than ACC_CHUNK slots.
-# WHY: Inductor sums a float reduction of more than 4096 elements in chunks and guards the length
-# on the side it compiled, so one graph would recompile when the rows pass 4096 slots.
+# A compiled kind of step is two graphs, prefixes of at most and of more than ACC_CHUNK slots. WHY: Inductor
+# sums a float reduction of more than 4096 elements in chunks and guards the length on the side it compiled.
 ACC_CHUNK = 4096
 
 
@@ -100,8 +86,6 @@ class StaticDecoder(HostDecoder):
         self.state = StaticState(model.config, batch_size, prefill_chunk, dtype=p.dtype, device=p.device,
                                  rollback_limit=max(rollback_limit or 0, verify_len or 0))
         self.rollback_limit, self.verify_len = self.state.rollback_limit, verify_len
-        # the verify step attends per token: Inductor reads the gathered caches in place
-        few = verify_len or 1
         decode_options = STEP_OPTIONS
         if kinds and batch_size <= FEW_ROWS and p.device.type == "cpu":
             row_linear_(self.model)
@@ -109,7 +93,8 @@ class StaticDecoder(HostDecoder):
             # inlined into each of them is measurable (docs/performance.md, "Quantization")
             if batch_size > 1 or quantize == "int4":
                 decode_options = {**STEP_OPTIONS, **ROW_INPUTS_STORED}
-        self.module = StepModule(self.model, self.state, per_token_max=few)
+        # the verify step attends per token: Inductor reads the gathered caches in place
+        self.module = StepModule(self.model, self.state, per_token_max=verify_len or 1)
         # the RowLinears and RowExperts, packed again before a step once one of their weights changed
         packers = [m for m in self.module.modules() if isinstance(m, (RowLinear, RowExperts))]
         self._row_owner = [m for m in packers for _ in m.sources]  # the packer of each weight
@@ -212,8 +197,7 @@ class StaticDecoder(HostDecoder):
             if len(self.prefix_lengths) > 1:
                 accelerators.dynamic_length(slots)
             self._dynamic.add(key)
-        d = self.device
-        return fn(tokens.to(d), input_pos.to(d), live.to(d), slots)
+        return fn(tokens.to(self.device), input_pos.to(self.device), live.to(self.device), slots)
 
     def _reads(self) -> list[torch.Tensor]:
         """The model copy's tensors (the state, never replaced, aside)."""

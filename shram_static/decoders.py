@@ -46,19 +46,16 @@ def make_decoder(model, backend: str, prefill_chunk: int, stack: contextlib.Exit
         raise ValueError(f"backend {backend!r} needs shram_static.export, which failed to import: {e}") from e
     tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="shram_static_"))
     t0 = time.perf_counter()
-    if spec.runtime == "onnx":
-        path = os.path.join(tmp, "model.onnx")
-        info(f"exporting to ONNX{f' ({quantize})' if quantize else ''} ({path}) ...")
-        export_onnx(model, path, batch_size=batch_size, prefill_chunk=prefill_chunk, eos_token_id=eos_token_id,
-                    verify_len=verify_len, full_logits=full_logits, quantize=quantize)
-        dec = load_onnx(path)
+    onnx = spec.runtime == "onnx"
+    path = os.path.join(tmp, "model.onnx" if onnx else "model.pte")
+    info(f"exporting to {'ONNX' if onnx else 'ExecuTorch'}{f' ({quantize})' if quantize else ''} ({path})"
+         f"{'' if onnx else '; lowering takes a minute or more'} ...")
+    kw = dict(batch_size=batch_size, prefill_chunk=prefill_chunk, quantize=quantize,
+              eos_token_id=eos_token_id, verify_len=verify_len, full_logits=full_logits)
+    if onnx:
+        export_onnx(model, path, **kw)
     else:
-        path = os.path.join(tmp, "model.pte")
-        info(f"exporting to ExecuTorch{f' ({quantize})' if quantize else ''} ({path}); lowering takes "
-              f"a minute or more ...")
-        export_pte(model, path, batch_size=batch_size, prefill_chunk=prefill_chunk, quantize=quantize,
-                   eos_token_id=eos_token_id, bos_token_id=bos_token_id, verify_len=verify_len,
-                   full_logits=full_logits)
-        dec = load_pte(path)
+        export_pte(model, path, bos_token_id=bos_token_id, **kw)
+    dec = (load_onnx if onnx else load_pte)(path)
     info(f"exported and loaded in {time.perf_counter() - t0:.1f} s")
     return dec

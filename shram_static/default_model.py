@@ -8,7 +8,7 @@ import os
 
 from .config import ShramConfig
 from .model import ShramForCausalLM
-from .tokenizer import ByteTokenizer, TokenIdsOnly, load_tokenizer
+from .tokenizer import TokenIdsOnly, load_tokenizer
 
 BUILTIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin")
 
@@ -41,6 +41,4 @@ def load_model_and_tokenizer(checkpoint: str | None = None, token_ids_only: bool
     model = default_model() if checkpoint is None else ShramForCausalLM.from_pretrained(checkpoint)
     if token_ids_only:
         return model, TokenIdsOnly(model.config.vocab_size, getattr(model.config, "eos_token_id", None))
-    if checkpoint is None:
-        return model, ByteTokenizer()
     return model, load_tokenizer(checkpoint, model.config)

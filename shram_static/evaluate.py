@@ -38,11 +38,9 @@ def read_text_bytes(path, max_bytes: int | None = None) -> bytes:
     except UnicodeDecodeError as e:
         raise ValueError(f"--text {path!r} is not UTF-8 text: byte {e.start} (0x{data[e.start]:02x}) "
                          f"cannot be decoded ({e.reason})") from None
-    if max_bytes is not None:
-        if max_bytes < 1:
-            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
-        data = data[:max_bytes]
-    return data
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+    return data if max_bytes is None else data[:max_bytes]
 
 
 def score_bytes(decoder, data: bytes, window: int | None = None, progress: bool = True) -> dict:
@@ -72,7 +70,7 @@ def score_bytes(decoder, data: bytes, window: int | None = None, progress: bool 
         raise ValueError(f"window must be in [1, {S}] (the decoder's capacity), got {window}")
     bos = ByteTokenizer().bos_token_id
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-    total, n_win = 0.0, 0
+    total = 0.0
     with tqdm(total=len(data), unit="B", unit_scale=True, disable=not progress, file=sys.stderr,
               desc="eval", dynamic_ncols=True) as bar:
         for i in range(0, len(data), window):
@@ -81,11 +79,10 @@ def score_bytes(decoder, data: bytes, window: int | None = None, progress: bool 
             decoder.reset()
             logits = decoder.prefill(x)[0].double()  # (w, V)
             total += float(-logits.log_softmax(-1).gather(-1, y[:, None]).sum())
-            n_win += 1
             bar.update(len(y))
             bar.set_postfix(bpb=f"{total / min(i + window, len(data)) / math.log(2):.4f}", refresh=False)
     nll = total / len(data)
-    return {"bytes": len(data), "windows": n_win, "window": window, "nll": nll,
+    return {"bytes": len(data), "windows": len(range(0, len(data), window)), "window": window, "nll": nll,
             "bits_per_byte": nll / math.log(2), "perplexity": math.exp(nll)}
 
 

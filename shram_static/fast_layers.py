@@ -212,10 +212,9 @@ class FusedExperts(nn.Module):
     def output(self, y: torch.Tensor, P: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
         """sum_k P_k y_k o_proj[idx_k]: y (B, C, K, u), P (B, C, K), sel (`select`) -> (B, C, d)."""
         B, C, K, u = y.shape
-        L = self.num_experts
         # weighted outputs at the token's experts' rows (0 elsewhere), then one linear for all
         z = torch.bmm(sel.transpose(1, 2), (y * P[..., None]).view(B * C, K, u))  # (BC, L, u)
-        return self.o(z.view(B, C, L * u))
+        return self.o(z.view(B, C, self.num_experts * u))
 
     def project_all(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """See `BEA.project_all`."""

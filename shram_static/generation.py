@@ -30,10 +30,9 @@ def default_compile_config() -> CompileConfig:
 def _new_token_mask(attention_mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
     """(B, n) bool live flags of the n new columns, canonical strides (the compiled forward guards
     on them); all True without a mask, so calls with and without one share a graph."""
-    n = ids.shape[1]
     if attention_mask is None:
         return torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
-    return canonical(attention_mask[:, -n:].to(torch.bool))
+    return canonical(attention_mask[:, -ids.shape[1]:].to(torch.bool))
 
 
 class ShramGenerationMixin(GenerationMixin):
@@ -70,9 +69,8 @@ class ShramGenerationMixin(GenerationMixin):
             A callable with the forward's signature; the compiled function is `self._compiled_call`.
         """
         compiled = PreTrainedModel.get_compiled_call(self, compile_config)
-        if compiled == self.__call__:  # transformers declined to compile
-            return compiled
-        accelerators.prepare_compile(self.device.type)
+        if compiled != self.__call__:  # else transformers declined to compile
+            accelerators.prepare_compile(self.device.type)
         return compiled
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None,
@@ -80,23 +78,15 @@ class ShramGenerationMixin(GenerationMixin):
         # The parent slices input_ids to the new tokens; it gets no mask, so it builds no 4-D one.
         inputs = super().prepare_inputs_for_generation(input_ids, next_sequence_length=next_sequence_length,
                                                        cache=cache, attention_mask=None, **kwargs)
-        ids = inputs["input_ids"]
         if cache is not None:
-            inputs["attention_mask"] = _new_token_mask(attention_mask, ids)
+            inputs["attention_mask"] = _new_token_mask(attention_mask, inputs["input_ids"])
         elif attention_mask is not None:  # uncached: the whole sequence and its whole mask
             inputs["attention_mask"] = attention_mask
         return inputs
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode,
                                       batch_size, max_cache_length):
-        """Builds or checks the `ShramCache`, then checks capacity, before any forward runs.
-
-        Raises:
-            ValueError: `cache_implementation` set, a cache that is not a `ShramCache` or has the
-                wrong batch size / dtype / device, or `input_ids` shorter than what the cache
-                already consumed.
-            CapacityError: some row would hold more live tokens than `inference_sequence_length`.
-        """
+        """Builds or checks the `ShramCache`, then checks capacity, before any forward runs."""
         if generation_config.cache_implementation is not None:
             raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not "
                              f"supported: SHRAM generates on its own fixed-shape ShramCache (leave "
@@ -181,12 +171,12 @@ class TextTokenStreamer(BaseStreamer):
                 self._stopped = True
                 break
             self.tokens.append(int(i))
-        text = self.tokenizer.decode(self.tokens)
+        text = self.text
         if not text.endswith("\ufffd"):  # else: an incomplete character, wait for its next bytes
             self._write(text)
 
     def end(self) -> None:
-        self._write(self.tokenizer.decode(self.tokens))
+        self._write(self.text)
         self.stream.write("\n")
         self.stream.flush()
 

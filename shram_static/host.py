@@ -52,19 +52,17 @@ class HostDecoder:
 
     def __init__(self, config: ShramConfig, batch_size: int, prefill_chunk: int,
                  eos_token_id: int | None = None):
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+        for name, v in (("batch_size", batch_size), ("prefill_chunk", prefill_chunk)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
         self.config = config
         self.batch_size = batch_size
         self.prefill_chunk = prefill_chunk
         self.capacity = config.inference_sequence_length
         self.eos_token_id = eos_token_id
         self._counts = RowCounts(batch_size)
-        # a backend sets these: the most tokens a row can forget at once (0: none), the verify
-        # step's tokens per row (None: verify runs as prefill), and False where the prefill step
-        # returns only each row's last live token's logits (an export without full_logits)
+        # a backend sets these: tokens a row can forget at once (0: none), the verify step's tokens per
+        # row (None: verify runs as prefill), False where prefill returns each row's last logits only
         self.rollback_limit = 0
         self.verify_len: int | None = None
         self.full_logits = True
@@ -178,9 +176,8 @@ class HostDecoder:
         want, can = t.tolist(), self.rollbackable.tolist()
         if min(want) < 0:
             raise ValueError(f"n must be >= 0, got {want}")
-        over = [b for b, (w, c) in enumerate(zip(want, can)) if w > c]
-        if over:
-            b = over[0]
+        b = next((b for b, (w, c) in enumerate(zip(want, can)) if w > c), None)
+        if b is not None:
             if not self.rollback_limit:
                 why = "this decoder cannot roll back (an export written without rollback support: re-export it)"
             elif can[b] == int(self._counts.live[b]):
@@ -212,14 +209,14 @@ class HostDecoder:
             ValueError without a verify step where `full_logits` is False.
         """
         n = self.verify_len or self.prefill_chunk
-        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > n:
+        ids, live = self.check_prompt(ids, active)
+        if ids.shape[1] > n:
             raise ValueError(f"verify takes at most {n} tokens per row (verify_len), got {ids.shape[1]}")
-        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == 1:
-            return self.decode(ids[:, 0], None if active is None else active[:, 0])[:, None]
+        if ids.shape[1] == 1:
+            return self.decode(ids[:, 0], live[:, 0])[:, None]
         if self.verify_len is None:
             self.need_full_logits("verify without a verify step (exported without verify_len)")
-            return self.prefill(ids, active)
-        ids, live = self.check_prompt(ids, active)
+            return self.prefill(ids, live)
         self._check_capacity(live.long().sum(1))
         return self.feed(ids, live)
 
@@ -239,8 +236,7 @@ class HostDecoder:
         """
         n = ids.shape[1]
         if 1 < n < self.verify_len:  # the verify step's fixed shape: pad with dead tokens
-            pad = self.verify_len - n
-            ids, live = torch.nn.functional.pad(ids, (0, pad)), torch.nn.functional.pad(live, (0, pad))
+            ids, live = (torch.nn.functional.pad(t, (0, self.verify_len - n)) for t in (ids, live))
         lg = self._call(ids, live)
         return (lg if lg.shape[1] == n else lg[:, :n]).float().cpu()
 
@@ -314,8 +310,7 @@ class HostDecoder:
             self.need_full_logits("step(...) of a prefill chunk without last_only=True")
         lv = check_mask(live, input_ids.shape, "live").cpu()
         self._check_capacity(lv.long().sum(1))
-        logits = self._call(input_ids.long().cpu(), lv, last_only and input_ids.shape[1] > 1)
-        return logits.float().cpu()
+        return self._call(input_ids.long().cpu(), lv, last_only and input_ids.shape[1] > 1).float().cpu()
 
     generate = loops.generate  # the generation loops (plain, sampled, speculative)
 

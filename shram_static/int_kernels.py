@@ -37,14 +37,10 @@ def parse_isa(value: str | None) -> int | None:
     Raises:
         ValueError: an unknown value.
     """
-    value = (value or "auto").strip().lower()
-    if value == "auto":
-        return 0
-    if value == "off":
-        return None
-    if value not in ISAS:
+    value, codes = (value or "auto").strip().lower(), {"auto": 0, "off": None, **ISAS}
+    if value not in codes:
         raise ValueError(f"{ENV} must be auto, off or one of {sorted(ISAS)}, got {value!r}")
-    return ISAS[value]
+    return codes[value]
 
 
 def build(loader=None) -> bool:
@@ -108,7 +104,8 @@ def load() -> int | None:
         want = parse_isa(os.environ.get(ENV))
         ok = want is not None and build()
         if ok and want and want > best_isa():
-            raise ValueError(f"{ENV} asks for a path this CPU lacks (best: {isa_name(best_isa())})")
+            best = next(name for name, code in ISAS.items() if code == best_isa())
+            raise ValueError(f"{ENV} asks for a path this CPU lacks (best: {best})")
         ISA, _loaded = (want if ok else None), ok
     return ISA
 
@@ -116,11 +113,6 @@ def load() -> int | None:
 def best_isa() -> int:
     """The best path of this CPU (an `ISAS` code). Needs the operators (`build`)."""
     return int(torch.ops.shram_static.int_kernel_isa())
-
-
-def isa_name(code: int) -> str:
-    """The `ISAS` name of a code."""
-    return {v: k for k, v in ISAS.items()}[code]
 
 
 def int_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int, bits: int,

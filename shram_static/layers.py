@@ -68,13 +68,6 @@ def gather_experts(w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return w.index_select(0, idx.reshape(-1)).view(*idx.shape, *w.shape[1:])
 
 
-def mix_experts(o_proj: torch.Tensor, y: torch.Tensor, P: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """sum_k P_k y_k o_proj[idx_k]: y (B, C, K, u), P (B, C, K), idx (B, C, K) -> (B, C, d)."""
-    B, C, K, u = y.shape
-    wo = gather_experts(o_proj, idx).view(B * C, K * u, -1)  # (BC, K*u, d)
-    return torch.bmm((y * P[..., None]).reshape(B * C, 1, K * u), wo).view(B, C, -1)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, width: int, eps: float):
         super().__init__()
@@ -123,8 +116,7 @@ class LocalAttention(nn.Module):
 
     def step(self, h: torch.Tensor, local_k: torch.Tensor, local_v: torch.Tensor,
              ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Writes the chunk's keys and values into the ring (B*H*(R+1), u), then attends over it.
-        h (B, C, d) normed -> (B, C, d) output, and the ring's k and v (the same tensors in place)."""
+        """Writes the chunk's k, v into the ring (B*H*(R+1), u), attends it: h (B, C, d) normed -> y, k, v."""
         B, u = h.shape[0], self.head_dim
         q, k, v = self.qkv(h)  # (B, H, C, u)
         q, k = apply_rope(q, ctx.cos_l, ctx.sin_l), apply_rope(k, ctx.cos_l, ctx.sin_l)
@@ -184,8 +176,10 @@ class BEA(nn.Module):
         return torch.einsum("blnu,lud,bnl->bnd", y, self.o_proj, w)
 
     def output(self, y: torch.Tensor, P: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Selected experts' outputs y (B, C, K, u) mixed by P (B, C, K), idx (`select`) -> (B, C, d)."""
-        return mix_experts(self.o_proj, y, P, idx)
+        """sum_k P_k y_k o_proj[idx_k]: y (B, C, K, u), P (B, C, K), idx (`select`) -> (B, C, d)."""
+        B, C, K, u = y.shape
+        wo = gather_experts(self.o_proj, idx).view(B * C, K * u, -1)  # (BC, K*u, d)
+        return torch.bmm((y * P[..., None]).reshape(B * C, 1, K * u), wo).view(B, C, -1)
 
 
 class MoSRAH(nn.Module):
@@ -200,9 +194,8 @@ class MoSRAH(nn.Module):
 
     def step(self, h: torch.Tensor, routes: torch.Tensor, sparse_k: torch.Tensor, sparse_v: torch.Tensor,
              ctx: StepContext) -> tuple[torch.Tensor, ...]:
-        """Routes the chunk, writes each token's key and value into its K experts' caches, attends
-        them and mixes the K outputs by the routing weights. h (B, C, d) normed, routes
-        (B*(N+1), K), sparse_k, sparse_v (B*L*(T+1), u) -> (B, C, d), routes, sparse_k, sparse_v."""
+        """Routes the chunk, writes each token's k, v into its K experts' caches, attends them, mixes
+        by P: h (B, C, d) normed, routes (B*(N+1), K), sparse_k, sparse_v (B*L*(T+1), u) -> y and those."""
         B, C, _ = h.shape
         L, K, u, mode = self.num_experts, self.num_selected, self.head_dim, ctx.mode
         W, N, T = L // K, routes.shape[0] // B - 1, sparse_k.shape[0] // (B * L) - 1
@@ -265,13 +258,11 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(d, config.rms_norm_eps)
         self.attention = HybridAttention(config)
         self.mlp = SwiGLU(d, config.mlp_width)
-        if config.use_residual_gate:
-            self.attn_residual_scale = nn.Parameter(torch.ones(1))
-            self.mlp_residual_scale = nn.Parameter(torch.ones(1))
-        else:
-            fixed = torch.full((1,), 1.0 / math.sqrt(config.num_decoder_layers))
-            self.register_buffer("attn_residual_scale", fixed.clone())
-            self.register_buffer("mlp_residual_scale", fixed.clone())
+        for name in ("attn_residual_scale", "mlp_residual_scale"):
+            if config.use_residual_gate:
+                self.register_parameter(name, nn.Parameter(torch.ones(1)))
+            else:
+                self.register_buffer(name, torch.full((1,), 1.0 / math.sqrt(config.num_decoder_layers)))
 
     def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The layer's output for its input x and attention output y = attn(attn_norm(x))."""

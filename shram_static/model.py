@@ -68,7 +68,7 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
     def _init_parameters(self, std: float = 0.02) -> None:
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if name.endswith("norm.weight") or name.endswith("residual_scale"):
+                if name.endswith(("norm.weight", "residual_scale")):
                     p.fill_(1.0)
                 else:
                     p.normal_(0.0, std)
@@ -146,9 +146,7 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
             return self._cached_forward(input_ids, attention_mask, output_routing, cache, logits_to_keep)
         self._check_input(input_ids)
         live = check_mask(attention_mask, input_ids.shape)
-        if live is None:
-            live = torch.ones_like(input_ids, dtype=torch.bool)
-        live = live.to(input_ids.device)
+        live = torch.ones_like(input_ids, dtype=torch.bool) if live is None else live.to(input_ids.device)
         return self._forward(input_ids.long(), live, output_routing, logits_to_keep)
 
     def _check_input(self, input_ids) -> None:

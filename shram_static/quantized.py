@@ -24,9 +24,8 @@ def check_quantize(mode) -> None:
 
 
 class _IntLinear(nn.Module):
-    """A bias-free linear over a weight quantized per block of GROUP inputs (`int_kernels.pack`)."""
-
-    BITS = 0
+    """A bias-free linear over a weight quantized per block of GROUP inputs (`int_kernels.pack`);
+    subclasses set BITS and `quantize`: (out, G, GROUP) float -> (q integers, s (out, G) fp16)."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -39,11 +38,6 @@ class _IntLinear(nn.Module):
         packed, scale = int_kernels.pack(q.view(N, G * GROUP), s, self.BITS)
         self.register_buffer("packed", packed.to(weight.device))  # (nb, G, chunks, 64) uint8
         self.register_buffer("scale", scale.to(weight.device))  # (nb, G, LANES) fp16
-
-    @staticmethod
-    def quantize(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out, G, GROUP) float -> (q (out, G, GROUP) integers, s (out, G) fp16)."""
-        raise NotImplementedError
 
     def dequantized(self) -> torch.Tensor:
         """(out, in) float32 weight."""
@@ -94,9 +88,6 @@ class Int4Linear(_IntLinear):
         return torch.round(wg / step[..., None]).clamp(-8, 7), s16
 
 
-LAYERS = {"int8": Int8Linear, "int4": Int4Linear}
-
-
 def quantize_linears_(model: nn.Module, mode: str) -> nn.Module:
     """Replaces every bias-free `nn.Linear` of `model` (a tied lm_head too) by an `Int8Linear` or
     `Int4Linear`, in place; the embedding, router and expert weights stay float.
@@ -111,7 +102,7 @@ def quantize_linears_(model: nn.Module, mode: str) -> nn.Module:
     check_quantize(mode)
     if mode is None:
         raise ValueError("quantize_linears_ needs a mode")
-    return swap_linears_(model, LAYERS[mode])
+    return swap_linears_(model, {"int8": Int8Linear, "int4": Int4Linear}[mode])
 
 
 def quantized_model(model: nn.Module, mode: str) -> nn.Module:

@@ -23,19 +23,6 @@ def yarn_frequencies(head_dim: int, base: float, train_range: float, s: float,
     return (1 - gamma) * theta / s + gamma * theta
 
 
-def yarn_attention_factor(s: float) -> float:
-    """A = (0.1 ln s + 1)^2; 1 when s = 1."""
-    return (0.1 * math.log(s) + 1.0) ** 2 if s > 1 else 1.0
-
-
-def cos_sin_table(freqs: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (length, u) fp32 for positions 0..length-1, over both halves ("rotate half")."""
-    t = torch.arange(length, dtype=torch.int64).float()
-    ang = torch.outer(t, freqs)  # (length, u/2)
-    ang = torch.cat([ang, ang], dim=-1)  # (length, u)
-    return ang.cos(), ang.sin()
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
@@ -54,17 +41,18 @@ class RotaryTables(nn.Module):
 
     def __init__(self, config: ShramConfig):
         super().__init__()
-        u = config.head_dim
+        u, s = config.head_dim, config.scale
         n = max(config.inference_sequence_length, config.mosrah_cache_length)
         main = config.rope_mode == "main_sequence"
         train_range = config.training_sequence_length if main else config.mosrah_packed_length
-        yarn = yarn_frequencies(u, config.mosrah_rope_theta, train_range, config.scale,
-                                config.alpha, config.beta)
+        yarn = yarn_frequencies(u, config.mosrah_rope_theta, train_range, s, config.alpha, config.beta)
+        t = torch.arange(n, dtype=torch.int64).float()  # positions 0..n-1
         for path, freqs in (("local", rope_frequencies(u, config.local_rope_theta)), ("sparse", yarn)):
-            cos, sin = cos_sin_table(freqs, n)
-            self.register_buffer(f"{path}_cos", cos, persistent=False)
-            self.register_buffer(f"{path}_sin", sin, persistent=False)
-        self.sparse_factor = yarn_attention_factor(config.scale)
+            ang = torch.outer(t, freqs)  # (n, u/2)
+            ang = torch.cat([ang, ang], dim=-1)  # (n, u): both halves ("rotate half")
+            self.register_buffer(f"{path}_cos", ang.cos(), persistent=False)
+            self.register_buffer(f"{path}_sin", ang.sin(), persistent=False)
+        self.sparse_factor = (0.1 * math.log(s) + 1.0) ** 2 if s > 1 else 1.0  # YaRN's A; 1 at s = 1
         self.length = n
 
     def _apply(self, fn, recurse=True):

@@ -39,8 +39,7 @@ def block_select(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken
     nb = (W + C - 2) // W + 1  # blocks a chunk of C tokens can touch
     rank = exclusive_cumsum(live, small)  # (B, C) live tokens before each (live) token in the chunk
     mm = small_bmm if small else torch.bmm
-    off = (start % W)[:, None]  # (B, 1)
-    g = off + rank  # frame index, block 0 starting at the carried block's first slot
+    g = (start % W)[:, None] + rank  # frame index, block 0 starting at the carried block's first slot
     blk = (g // W).clamp(0, nb - 1)  # (B, C)
     step = torch.where(blk == 0, rank, g % W)  # solver iteration that handles each token
     blk_oh = (blk[..., None] == torch.arange(nb, device=z.device)).to(z.dtype)  # (B, C, nb)

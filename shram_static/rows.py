@@ -1,5 +1,7 @@
 """Per-row bookkeeping around a step, shared by `HostDecoder` and `ShramCache`."""
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -60,11 +62,8 @@ def canonical(t: torch.Tensor) -> torch.Tensor:
 
     WHY: a compiled step guards on its inputs' strides, and a one-row column slice keeps its
     parent's row stride (`.contiguous()` is then a no-op), which made every prefill recompile."""
-    want, n = [], 1
-    for size in reversed(t.shape):
-        want.append(n)
-        n *= size
-    if t.storage_offset() == 0 and t.stride() == tuple(reversed(want)):
+    want = tuple(math.prod(t.shape[i + 1:]) for i in range(t.dim()))  # contiguous strides
+    if t.storage_offset() == 0 and t.stride() == want:
         return t
     return t.clone(memory_format=torch.contiguous_format)
 

@@ -14,12 +14,10 @@ import torch
 from .sampling import draw
 
 # A verify step's cost in decode steps, for the gate on prompt-lookup guesses (a round must keep
-# VERIFY_COST - 1 guesses on average to pay). A constant, not a timing, so seeded sampling stays
-# reproducible.
+# VERIFY_COST - 1 guesses on average to pay); a constant, not a timing, so seeded sampling reproduces.
 VERIFY_COST = 1.5
 PROBE_EVERY = 2  # a gated-off prompt lookup still verifies one round in this many
-# The longest and shortest n-gram prompt lookup matches (these and PROBE_EVERY: docs/speculative.md).
-LOOKUP_NGRAMS = (8, 2)
+LOOKUP_NGRAMS = (8, 2)  # the longest and shortest n-gram prompt lookup matches (docs/speculative.md)
 
 
 class PromptLookup:
@@ -41,8 +39,7 @@ class PromptLookup:
     def propose(self, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest matching
         n-gram at the end of the sequence ([] when none matches)."""
-        text = self._text
-        end = len(text)
+        text, end = self._text, len(self._text)
         if k < 1:
             return []
         for n in self.sizes:
@@ -65,14 +62,11 @@ def _pick(logits: torch.Tensor, warp, sample: bool, gen) -> tuple[torch.Tensor, 
 def _accept(logits: torch.Tensor, drafts: list[int], q: list | None, warp, sample: bool, gen) -> list[int]:
     """The accepted guesses, then the target's own token, from logits (n+1, V) over n drafts;
     q: the draft's (V,) probabilities per guess (sampling with a draft decoder), else None."""
-    out: list[int] = []
     if not sample:  # the guesses equal to the argmax, then the argmax after them
         top = logits.argmax(-1).tolist()
-        for i, d in enumerate(drafts):
-            if top[i] != d:
-                return out + [top[i]]
-            out.append(d)
-        return out + [top[len(drafts)]]
+        a = next((i for i, d in enumerate(drafts) if top[i] != d), len(drafts))
+        return drafts[:a] + [top[a]]
+    out: list[int] = []
     for i, d in enumerate(drafts):
         p = warp.probs(logits[i])
         qd = q[i] if q is not None else torch.zeros_like(p).index_fill_(0, torch.tensor([d]), 1.0)
@@ -93,16 +87,8 @@ def _feed_last(dec, toks: list[list[int]]) -> torch.Tensor:
     live = torch.tensor([[j < len(t) for j in range(n)] for t in toks])
     if n > 1 and n > (dec.verify_len or 0):  # a prefill: its last-token logits only
         return dec.prefill(ids, live, last_only=True)
-    lg = _step(dec, ids, live)
     last = torch.tensor([max(len(t) - 1, 0) for t in toks])
-    return lg[torch.arange(dec.batch_size), last]
-
-
-def _step(dec, ids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """Feeds ids (B, n) this loop picked, unchecked (`feed`), or as prefill past verify_len."""
-    if ids.shape[1] == 1 or ids.shape[1] <= (dec.verify_len or 0):
-        return dec.feed(ids, live)
-    return dec.prefill(ids, live)
+    return dec.feed(ids, live)[torch.arange(dec.batch_size), last]
 
 
 def steady(decoders, on: bool = True) -> contextlib.ExitStack:
@@ -139,129 +125,119 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
         (B, max_new_tokens) int64 new tokens.
     """
     with steady([dec, draft], streamer is None):  # a streamer's `put` runs the caller's code
-        return _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer, speculate,
-                          draft, stats)
-
-
-def _speculate(dec, ids, live, max_new_tokens, sample, warp, gen, eos, pad, streamer, speculate, draft,
-               stats) -> torch.Tensor:
-    B = dec.batch_size
-    kmax = min(speculate, (dec.verify_len or dec.prefill_chunk) - 1, dec.rollback_limit)
-    if draft is not None:
-        kmax = min(kmax, draft.rollback_limit)
-    st = stats if stats is not None else {}
-    st.update(rounds=0, decodes=0, accepted=0, proposed=0, k=[])
-    dec.reset()
-    logits = dec.prefill(ids, live, last_only=True)  # (B, V)
-    if draft is not None:
-        draft.reset()
-        draft.prefill(ids, live, last_only=True)
-    # WHY Python lists until the end: each tensor element read or write costs microseconds
-    rows: list[list[int]] = [[] for _ in range(B)]  # tokens produced per row
-    done = [False] * B
-    lookups = [PromptLookup(*LOOKUP_NGRAMS) for _ in range(B)]
-    for b in range(B):
-        lookups[b].extend(ids[b][live[b]].tolist())
-    pending: list[list[int]] = [[] for _ in range(B)]  # tokens the draft has not been fed yet
-    streamed = 0
-    if streamer is not None:
-        streamer.put(ids)
-
-    def emit(b: int, toks: list[int]) -> None:
-        for i, t in enumerate(toks):
-            rows[b].append(t)
-            if (eos is not None and t == eos) or len(rows[b]) == max_new_tokens:
-                done[b] = True
-                toks = toks[:i + 1]
-                break
-        lookups[b].extend(toks)
-
-    def stream(upto: int) -> None:
-        nonlocal streamed
-        while streamed < upto:
-            streamer.put(torch.tensor([r[streamed] if streamed < len(r) else pad for r in rows]))
-            streamed += 1
-
-    for b in range(B):
-        t, _ = _pick(logits[b], warp, sample, gen)  # nothing produced yet
-        emit(b, [int(t)])
-        pending[b] = [int(t)]
-    k = kmax  # draft decoder: adapted per round
-    gain, skipped = 1.0, 0  # prompt lookup: recent guesses kept per verify step; rounds gated off
-    all_live = torch.ones(B, 1, dtype=torch.bool)  # a decode step's live mask while no row is done
-    while not all(done):
-        if streamer is not None:
-            stream(min(max_new_tokens if done[b] else len(rows[b]) for b in range(B)))
-        nxt = [rows[b][-1] for b in range(B)]
-        room = [0 if done[b] else min(k, max_new_tokens - len(rows[b]) - 1) for b in range(B)]
-        drafts: list[list[int]] = [[] for _ in range(B)]
-        q: list[list] = [[] for _ in range(B)]
-        if draft is not None and max(room) > 0:
-            # Row b's draft is fed its pending tokens, then its first room[b] - 1 guesses.
-            feed = [pending[b] if not done[b] else [] for b in range(B)]
-            for i in range(max(room)):
-                dl = _feed_last(draft, feed)  # (B, V)
-                for b in range(B):
-                    if i < room[b]:
-                        t, p = _pick(dl[b], warp, sample, gen)
-                        drafts[b].append(int(t))
-                        q[b].append(p)
-                feed = [[drafts[b][-1]] if i + 1 < room[b] else [] for b in range(B)]
-        elif draft is None:
-            gate = gain + 1 >= VERIFY_COST or skipped + 1 >= PROBE_EVERY
-            if gate:
-                drafts = [lookups[b].propose(room[b]) if room[b] > 0 else [] for b in range(B)]
-            skipped = 0 if gate else skipped + 1
-        if not any(drafts):
-            dlive = torch.tensor([[not d] for d in done]) if any(done) else all_live
-            logits = _step(dec, torch.tensor([[t] for t in nxt]), dlive)[:, 0]
-            st["decodes"] += 1
-            for b in range(B):
-                if not done[b]:
-                    t, _ = _pick(logits[b], warp, sample, gen)
-                    emit(b, [int(t)])
-                    pending[b].append(int(t))  # the draft was not fed this round
-            continue
-        n = 1 + max(len(d) for d in drafts)
-        # the verify step's own width (dead tokens after each row's guesses): no padding later
-        w = dec.verify_len if n <= (dec.verify_len or 0) else n
-        vids = torch.tensor([[nxt[b]] + drafts[b] + [0] * (w - 1 - len(drafts[b])) for b in range(B)])
-        vlive = torch.tensor([[not done[b] and j <= len(drafts[b]) for j in range(w)] for b in range(B)])
-        vl = _step(dec, vids, vlive)  # (B, w, V)
-        st["rounds"] += 1
-        st["k"].append(n - 1)
-        back, draft_back = [0] * B, [0] * B
-        kept_all = True
-        for b in range(B):
-            if done[b]:
-                continue
-            d = drafts[b]
-            toks = _accept(vl[b, :len(d) + 1], d, q[b] if draft is not None and sample else None, warp,
-                           sample, gen)
-            a = len(toks) - 1  # guesses kept
-            st["accepted"] += a
-            st["proposed"] += len(d)
-            kept_all &= a == len(d)
-            back[b] = len(d) - a
-            if draft is not None:
-                fed = max(room[b] - 1, 0)  # guesses the draft was fed
-                draft_back[b] = fed - min(a, fed)
-                pending[b] = toks[min(a, fed):]
-            emit(b, toks)
-        # each row forgets no more than the guesses it was just fed (<= k <= rollback_limit)
-        if any(back):
-            dec.forget(torch.tensor(back))
+        B = dec.batch_size
+        kmax = min(speculate, (dec.verify_len or dec.prefill_chunk) - 1, dec.rollback_limit)
         if draft is not None:
-            if any(draft_back):
-                draft.forget(torch.tensor(draft_back))
-            k = min(kmax, k + 2) if kept_all else max(1, k - 1)
-        else:
-            tried = [b for b in range(B) if drafts[b]]
-            gain = 0.5 * gain + 0.5 * sum(len(drafts[b]) - back[b] for b in tried) / len(tried)
-    if streamer is not None:
-        stream(max(len(r) for r in rows))
-        streamer.end()
-    out = torch.full((B, max_new_tokens), pad, dtype=torch.long)
-    for b in range(B):
-        out[b, :len(rows[b])] = torch.tensor(rows[b], dtype=torch.long)
-    return out
+            kmax = min(kmax, draft.rollback_limit)
+        st = stats if stats is not None else {}
+        st.update(rounds=0, decodes=0, accepted=0, proposed=0, k=[])
+        dec.reset()
+        logits = dec.prefill(ids, live, last_only=True)  # (B, V)
+        if draft is not None:
+            draft.reset()
+            draft.prefill(ids, live, last_only=True)
+        # WHY Python lists until the end: each tensor element read or write costs microseconds
+        rows: list[list[int]] = [[] for _ in range(B)]  # tokens produced per row
+        done = [False] * B
+        lookups = [PromptLookup(*LOOKUP_NGRAMS) for _ in range(B)]
+        for b in range(B):
+            lookups[b].extend(ids[b][live[b]].tolist())
+        streamed = 0
+        if streamer is not None:
+            streamer.put(ids)
+
+        def emit(b: int, toks: list[int]) -> None:
+            for i, t in enumerate(toks):
+                rows[b].append(t)
+                if (eos is not None and t == eos) or len(rows[b]) == max_new_tokens:
+                    done[b] = True
+                    toks = toks[:i + 1]
+                    break
+            lookups[b].extend(toks)
+
+        def stream(upto: int) -> None:
+            nonlocal streamed
+            while streamed < upto:
+                streamer.put(torch.tensor([r[streamed] if streamed < len(r) else pad for r in rows]))
+                streamed += 1
+
+        for b in range(B):
+            t, _ = _pick(logits[b], warp, sample, gen)  # nothing produced yet
+            emit(b, [int(t)])
+        pending = [r[:] for r in rows]  # tokens the draft has not been fed yet
+        k = kmax  # draft decoder: adapted per round
+        gain, skipped = 1.0, 0  # prompt lookup: recent guesses kept per verify step; rounds gated off
+        all_live = torch.ones(B, 1, dtype=torch.bool)  # a decode step's live mask while no row is done
+        while not all(done):
+            if streamer is not None:
+                stream(min(max_new_tokens if done[b] else len(rows[b]) for b in range(B)))
+            nxt = [rows[b][-1] for b in range(B)]
+            room = [0 if done[b] else min(k, max_new_tokens - len(rows[b]) - 1) for b in range(B)]
+            drafts: list[list[int]] = [[] for _ in range(B)]
+            q: list[list] = [[] for _ in range(B)]
+            if draft is not None and max(room) > 0:
+                # Row b's draft is fed its pending tokens, then its first room[b] - 1 guesses.
+                feed = [pending[b] if not done[b] else [] for b in range(B)]
+                for i in range(max(room)):
+                    dl = _feed_last(draft, feed)  # (B, V)
+                    for b in range(B):
+                        if i < room[b]:
+                            t, p = _pick(dl[b], warp, sample, gen)
+                            drafts[b].append(int(t))
+                            q[b].append(p)
+                    feed = [[drafts[b][-1]] if i + 1 < room[b] else [] for b in range(B)]
+            elif draft is None:
+                gate = gain + 1 >= VERIFY_COST or skipped + 1 >= PROBE_EVERY
+                if gate:
+                    drafts = [lookups[b].propose(room[b]) if room[b] > 0 else [] for b in range(B)]
+                skipped = 0 if gate else skipped + 1
+            if not any(drafts):
+                dlive = torch.tensor([[not d] for d in done]) if any(done) else all_live
+                logits = dec.feed(torch.tensor([[t] for t in nxt]), dlive)[:, 0]
+                st["decodes"] += 1
+                for b in range(B):
+                    if not done[b]:
+                        t, _ = _pick(logits[b], warp, sample, gen)
+                        emit(b, [int(t)])
+                        pending[b].append(int(t))  # the draft was not fed this round
+                continue
+            n = 1 + max(len(d) for d in drafts)
+            # the verify step's own width (dead tokens after each row's guesses): no padding later
+            w = dec.verify_len if n <= (dec.verify_len or 0) else n
+            vids = torch.tensor([[nxt[b]] + drafts[b] + [0] * (w - 1 - len(drafts[b])) for b in range(B)])
+            vlive = torch.tensor([[not done[b] and j <= len(drafts[b]) for j in range(w)] for b in range(B)])
+            vl = dec.feed(vids, vlive) if w == dec.verify_len else dec.prefill(vids, vlive)  # (B, w, V)
+            st["rounds"] += 1
+            st["k"].append(n - 1)
+            back, draft_back = [0] * B, [0] * B
+            kept_all = True
+            for b in range(B):
+                if done[b]:
+                    continue
+                d = drafts[b]
+                toks = _accept(vl[b, :len(d) + 1], d, q[b] if draft is not None and sample else None, warp,
+                               sample, gen)
+                a = len(toks) - 1  # guesses kept
+                st["accepted"] += a
+                st["proposed"] += len(d)
+                kept_all &= a == len(d)
+                back[b] = len(d) - a
+                if draft is not None:
+                    fed = max(room[b] - 1, 0)  # guesses the draft was fed
+                    draft_back[b] = fed - min(a, fed)
+                    pending[b] = toks[min(a, fed):]
+                emit(b, toks)
+            # each row forgets no more than the guesses it was just fed (<= k <= rollback_limit)
+            if any(back):
+                dec.forget(torch.tensor(back))
+            if draft is not None:
+                if any(draft_back):
+                    draft.forget(torch.tensor(draft_back))
+                k = min(kmax, k + 2) if kept_all else max(1, k - 1)
+            else:
+                tried = [b for b in range(B) if drafts[b]]
+                gain = 0.5 * gain + 0.5 * sum(len(drafts[b]) - back[b] for b in tried) / len(tried)
+        if streamer is not None:
+            stream(max(len(r) for r in rows))
+            streamer.end()
+        return torch.tensor([r + [pad] * (max_new_tokens - len(r)) for r in rows], dtype=torch.long)

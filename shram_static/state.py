@@ -28,8 +28,7 @@ def rollback_sizes(config: ShramConfig, prefill_chunk: int, rollback_limit: int 
     return Nr, config.window_size + Nr - 1, Nr + config.block_length - 1
 
 
-# The shortest prefix of the sparse caches a step attends (`prefix_lengths`).
-MIN_PREFIX = 64
+MIN_PREFIX = 64  # the shortest prefix of the sparse caches a step attends (`prefix_lengths`)
 
 
 def prefix_lengths(config: ShramConfig, spacing: int | None = None) -> tuple[int, ...]:

@@ -52,9 +52,8 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
     mode = StepMode(inplace, C <= per_token_max)
     x = model.embed_tokens(tokens)  # (B, C, d)
     ctx = context(model, live, input_pos, ring, state[0].shape[0] // B - 1, mode, x.dtype, slots)
-    run = _layer_step
-    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
-        run = _nested_layer_step
+    compiling = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+    run = _nested_layer_step if compiling else _layer_step
     flat = ctx.flat()
     new_state: list[torch.Tensor] = []
     for i, layer in enumerate(model.model.layers):
@@ -62,8 +61,7 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
         x, *new = run(layer, x, *st, *flat)
         new_state += new if not inplace else st
     if last_only:
-        at = last_live(live)  # (B,)
-        x = x.gather(1, at[:, None, None].expand(B, 1, x.shape[-1]))  # (B, 1, d)
+        x = x.gather(1, last_live(live)[:, None, None].expand(B, 1, x.shape[-1]))  # (B, 1, d)
     return model.logits(x), new_state
 
 
@@ -134,7 +132,7 @@ class FunctionalStep(nn.Module):
 
     Args:
         model: `ShramForCausalLM`.
-        state: a `StaticState` giving the ring size and the state order (not its buffers).
+        state: a `StaticState` giving the ring size (not its buffers).
         per_token_max: as in `StepModule`.
         last_only: return the logits at each row's last live token only, (B, 1, V) (`step`).
         prefix: P, the first P sparse slots attended (`step`'s slots); None: all.
@@ -147,7 +145,6 @@ class FunctionalStep(nn.Module):
         self.slots = None if prefix is None else slot_numbers(model.config.mosrah_cache_length)[:prefix]
         self.model = model
         self.ring = state.ring
-        self.names = state.names()
         self.per_token_max = per_token_max
         self.last_only = last_only
 

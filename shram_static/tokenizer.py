@@ -17,15 +17,9 @@ BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<|begin_of_text|>", "<|endoftext|>", "<|pad|>
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable unicode character table (used by ByteLevel)."""
     bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1))
-          + list(range(ord("\xae"), ord("\xff") + 1)))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+          + list(range(ord("\xae"), ord("\xff") + 1)))  # printable bytes: themselves
+    rest = [b for b in range(256) if b not in bs]  # the others: 256, 257, ... in byte order
+    return {**{b: chr(b) for b in bs}, **{b: chr(256 + n) for n, b in enumerate(rest)}}
 
 
 # A model for the byte tokenizer may pad its vocabulary up to the next multiple of this (untrained ids).
@@ -74,11 +68,8 @@ class ByteTokenizer:
                     (PAD_TOKEN, self.pad_token_id)]
         return {
             "version": "1.0", "truncation": None, "padding": None,
-            "added_tokens": [
-                {"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-                 "normalized": False, "special": True}
-                for s, i in specials
-            ],
+            "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": True} for s, i in specials],
             "normalizer": None,
             "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
                               "use_regex": False},
@@ -102,7 +93,6 @@ class ByteTokenizer:
 
     def save(self, directory) -> None:
         """Writes `tokenizer.json` (and a `tokenizer_config.json` naming the special tokens)."""
-        directory = os.fspath(directory)
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, TOKENIZER_FILE), "w", encoding="utf-8") as f:
             json.dump(self.to_json(), f, ensure_ascii=False, indent=1)
@@ -124,13 +114,8 @@ class HFTokenizer:
     def __init__(self, directory):
         from transformers import PreTrainedTokenizerFast
 
-        directory = os.fspath(directory)
         path = os.path.join(directory, TOKENIZER_FILE)
-        try:
-            with open(path, encoding="utf-8") as f:
-                spec = json.load(f)
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} is not a readable tokenizer.json: {e}") from e
+        spec = _read_json(path, "is not a readable tokenizer.json")
         special = _special_tokens_from_config(directory) or _guess_special_tokens(spec)
         try:
             self.tok = PreTrainedTokenizerFast(tokenizer_file=path, clean_up_tokenization_spaces=False,
@@ -147,9 +132,7 @@ class HFTokenizer:
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
-        if add_bos and self.bos_token_id is not None:
-            ids = [self.bos_token_id] + ids
-        return ids
+        return [self.bos_token_id] + ids if add_bos and self.bos_token_id is not None else ids
 
     def decode(self, ids) -> str:
         """Decodes ids to text, skipping special tokens."""
@@ -159,15 +142,19 @@ class HFTokenizer:
                                clean_up_tokenization_spaces=False)
 
 
+def _read_json(path: str, what: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} {what}: {e}") from e
+
+
 def _special_tokens_from_config(directory: str) -> dict:
     path = os.path.join(directory, TOKENIZER_CONFIG_FILE)
     if not os.path.isfile(path):
         return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    cfg = _read_json(path, "is not valid JSON")
     out = {}
     for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
         value = cfg.get(key)
@@ -192,10 +179,7 @@ def _guess_special_tokens(spec: dict) -> dict:
     hints = {"bos_token": ("bos", "<s>", "begin_of_text", "startoftext"),
              "eos_token": ("eos", "</s>", "end_of_text", "endoftext"),
              "pad_token": ("pad",)}
-    for tok in spec.get("added_tokens", []):
-        if not tok.get("special"):
-            continue
-        text = tok.get("content", "")
+    for text in (t.get("content", "") for t in spec.get("added_tokens", []) if t.get("special")):
         for key, words in hints.items():
             if key not in out and any(w in text.lower() for w in words):
                 out[key] = text
@@ -216,8 +200,7 @@ class TokenIdsOnly:
     pad_token_id = None
 
     def __init__(self, vocab_size: int, eos_token_id: int | None = None):
-        self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        self.vocab_size, self.eos_token_id = vocab_size, eos_token_id
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         raise ValueError("this model has no tokenizer (token ids only): give token ids, not text")

@@ -87,9 +87,8 @@ class Distributed:
         import torch.distributed as dist
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
-        local = int(os.environ.get("LOCAL_RANK", "0"))
         if torch.cuda.is_available():
-            self.device = torch.device("cuda", local)
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
@@ -144,16 +143,14 @@ def validate(model, windows, device, batch_size: int) -> float:
     x, y = windows
     was = model.training
     model.eval()
-    total, count = 0.0, 0
+    total = 0.0
     with torch.no_grad():
         for i in range(0, len(x), batch_size):
             xb, yb = x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)
-            logits = model(xb).logits.float()
-            total += float(F.cross_entropy(logits.flatten(0, 1), yb.flatten(), ignore_index=-100,
-                                           reduction="sum"))
-            count += int((yb != -100).sum())
+            total += float(F.cross_entropy(model(xb).logits.float().flatten(0, 1), yb.flatten(),
+                                           ignore_index=-100, reduction="sum"))
     model.train(was)
-    return total / count
+    return total / int((y != -100).sum())
 
 
 def _subset(windows, n: int):
@@ -167,8 +164,7 @@ def _subset(windows, n: int):
 
 
 def save_checkpoint(out: str, model, config, optimizer, step: int, hp: dict, log: dict) -> None:
-    """Writes the checkpoint (target config), train_state.pt and the log/curve, each file replaced
-    atomically (a kill mid-save leaves the previous one)."""
+    """Writes the checkpoint (target config), train_state.pt, log and curve, each file replaced atomically."""
     import torch
     tmp = os.path.join(out, ".saving")
     os.makedirs(tmp, exist_ok=True)
@@ -199,12 +195,10 @@ def plot_curve(log: dict, path: str) -> None:
               "(pip install 'shram_static[train]')")
         return
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    if log["train"]:
-        ax.plot([r["tokens"] / 1e6 for r in log["train"]], [r["loss"] for r in log["train"]],
-                lw=0.8, label="train (batch loss, interval mean)")
-    if log["val"]:
-        ax.plot([r["tokens"] / 1e6 for r in log["val"]], [r["loss"] for r in log["val"]],
-                "o-", ms=3, label="validation (hamlet, tempest, sonnets)")
+    for rows, style in ((log["train"], dict(lw=0.8, label="train (batch loss, interval mean)")),
+                        (log["val"], dict(marker="o", ms=3, label="validation (hamlet, tempest, sonnets)"))):
+        if rows:
+            ax.plot([r["tokens"] / 1e6 for r in rows], [r["loss"] for r in rows], **style)
     ax.set(xlabel="training tokens (millions)", ylabel="cross-entropy (nats per byte)",
            title="SHRAM byte model on Shakespeare")
     ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
@@ -330,11 +324,11 @@ def train(args) -> int:
         tok_s = tok_mark / max(now - t_mark, 1e-9)
         bar.set_postfix(loss=f"{lval:.3f}", lr=f"{lr:.1e}", tok_s=f"{tok_s:.0f}", refresh=False)
         bar.update(1)
-        if step % args.log_every == 0 or step == hp["steps"]:
+        last = step == hp["steps"]
+        if step % args.log_every == 0 or last:
             log["train"].append({"step": step, "tokens": step * tokens_per_step, "loss": acc / n_acc,
                                  "lr": lr, "grad_norm": float(gnorm), "tok_s": tok_s})
             acc, n_acc, t_mark, tok_mark = 0.0, 0, now, 0
-        last = step == hp["steps"]
         stop = args.stop_after is not None and step >= args.stop_after and not last
         if step % args.eval_every == 0 or last or stop:
             vl = validate(net, val_all if last else val_some, dist.device, args.val_batch_size)

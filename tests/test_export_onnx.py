@@ -58,9 +58,11 @@ def test_golden_logits_and_greedy(name, tmp_path):
     stale = graph_paths(tmp_path / "m.onnx")["prefill"]
     with open(stale, "wb") as f:
         f.write(b"an earlier export's prefill graph")
+    model.config.eos_token_id = 7  # no eos_token_id given: the config's, as export_pte
     paths = export_onnx(model, tmp_path / "m.onnx", batch_size=B, prefill_chunk=None)
     assert sorted(paths) == ["data", "decode"] and not os.path.exists(stale)
     dec = load_onnx(paths["decode"])
+    assert dec.eos_token_id == 7
     assert dec.prefill_chunk == 1 and list(dec._graphs) == ["decode"]
     err, tokens = golden_run(dec, g)
     assert err <= 1e-3, f"{name}: max abs logit error {err}"

@@ -145,6 +145,15 @@ def test_rollback_limit_and_bad_calls_leave_state():
     dec.rollback(torch.tensor([3, 2]))
     with pytest.raises(ValueError, match="at most 1 now"):  # the ring keeps no more than 4 back
         dec.rollback(torch.tensor([2, 0]))
+    snap = [t.clone() for t in dec.state.tensors()], dec.live_counts
+    for active in (torch.ones(2, dtype=torch.bool), torch.ones(3, 1, dtype=torch.bool)):  # not (B, n)
+        with pytest.raises(ValueError, match="active|shape"):
+            dec.verify(torch.zeros(2, 1, dtype=torch.long), active)
+        assert all(torch.equal(a, b) for a, b in zip(snap[0], dec.state.tensors()))
+        assert torch.equal(dec.live_counts, snap[1])
+    for bad in (True, 0):
+        with pytest.raises(ValueError, match="batch_size must be a positive int"):
+            StaticDecoder(model, batch_size=bad)
     assert dec.live_counts.tolist() == [7, 0]
     dec.rollback(torch.tensor([1, 0]))
     dec.reset()

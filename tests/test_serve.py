@@ -329,6 +329,9 @@ def test_loading_auth_queue_chat_and_shutdown(model, solo, tmp_path):
                                                 temperature=0, stream=True))
         assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want[0]
+        for fields in ({"max_completion_tokens": 5000}, {"max_tokens": 5000, "max_completion_tokens": 5000}):
+            status, err = _bad(url, {"messages": msgs, **fields}, "/v1/chat/completions", headers=auth)
+            assert (status, err["error"]["param"]) == (400, "max_completion_tokens")  # the field in effect
         with httpx.Client(headers=auth, timeout=LIMIT_S) as h:
             with h.stream("POST", f"{url}/v1/completions", json=long_req) as running:
                 lines = running.iter_lines()

@@ -1,8 +1,9 @@
 """Readings of the machine and of a model for `shram-static bench`: memory read bandwidth, the bytes
 a decode step must read, peak memory, stolen CPU time."""
 
+import contextlib
 import resource
-import time
+import timeit
 
 import torch
 from torch import nn
@@ -19,12 +20,7 @@ def measure_bandwidth(x: torch.Tensor | None = None, reps: int = 5) -> float:
     """Best-of-`reps` read bandwidth in bytes/s of `torch.sum` over `x` (default: a new buffer)."""
     x = bandwidth_buffer() if x is None else x
     x.sum()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * x.element_size() / best
+    return x.numel() * x.element_size() / min(timeit.repeat(x.sum, number=1, repeat=reps))
 
 
 def decode_read_bytes(model, batch_size: int, prefill_chunk: int, quantize: str | None = None) -> int:
@@ -71,23 +67,18 @@ def decode_read_bytes(model, batch_size: int, prefill_chunk: int, quantize: str 
 def peak_rss_mib() -> float:
     """This process's peak resident memory in MiB. WHY VmHWM first: Linux keeps `ru_maxrss` across
     fork + exec, so a worker would report its parent's peak too."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def cpu_times(path: str = "/proc/stat") -> tuple[int, int] | None:
     """(steal, total) CPU time of the whole machine in clock ticks, from /proc/stat (None if unreadable)."""
-    try:
-        with open(path) as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
+    fields = []
+    with contextlib.suppress(OSError), open(path) as f:
+        fields = f.readline().split()
     if len(fields) < 9 or fields[0] != "cpu":
         return None
     ticks = [int(x) for x in fields[1:]]

@@ -55,33 +55,25 @@ def step_costs(dec, k: int, ctx: int, steps: int, clock=time.perf_counter) -> di
     dec.prefill(torch.randint(0, V, (1, ctx), generator=gen), last_only=True)
     t = {name: [] for name in ("decode", "verify", "fed_decode", "fed_verify", "after_decode")}
     one, all_live = torch.ones(1, 1, dtype=torch.bool), torch.ones(1, k + 1, dtype=torch.bool)
+
+    def timed(name: str, step, *args) -> None:
+        t0 = clock()
+        step(*args)
+        t[name].append(clock() - t0)
+
     for _ in range(steps):
         ids = torch.randint(0, V, (1, k + 1), generator=gen)
-        t0 = clock()
-        dec.decode(ids[:, 0])
-        t1 = clock()
+        timed("decode", dec.decode, ids[:, 0])
         dec.rollback(1)
-        t2 = clock()
-        dec.verify(ids)
-        t3 = clock()
+        timed("verify", dec.verify, ids)
         dec.rollback(k + 1)
-        t["decode"].append(t1 - t0)
-        t["verify"].append(t3 - t2)
         with steady([dec]):
-            t0 = clock()
-            dec.feed(ids[:, :1], one)
-            t1 = clock()
+            timed("fed_decode", dec.feed, ids[:, :1], one)
             dec.forget(torch.ones(1, dtype=torch.long))
-            t2 = clock()
-            dec.feed(ids, all_live)
-            t3 = clock()
+            timed("fed_verify", dec.feed, ids, all_live)
             dec.forget(torch.full((1,), k + 1))
-        t["fed_decode"].append(t1 - t0)
-        t["fed_verify"].append(t3 - t2)
     for _ in range(steps):
-        t0 = clock()
-        dec.decode(ids[:, 0])
-        t["after_decode"].append(clock() - t0)
+        timed("after_decode", dec.decode, ids[:, 0])
         dec.rollback(1)
     return {name: statistics.median(v) for name, v in t.items()}
 

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ..backends import BACKENDS, EXPORTED, find_backend, float_partner
+from ..backends import EXPORTED, find_backend, float_partner
 from ..console import info
 from .readings import (bandwidth_buffer, bandwidth_spread, cpu_times, decode_read_bytes, measure_bandwidth,
                        peak_rss_mib, steal_fraction)
@@ -299,8 +299,6 @@ def _subprocess(args: list[str]) -> dict:
 
 
 def bench(args) -> int:
-    if bad := [b for b in args.backends if b not in BACKENDS]:
-        raise ValueError(f"unknown backends {bad}: choose from {BACKENDS}")
     if bad := [m for m in args.models
                if m not in ("bench", "builtin") and not os.path.isfile(os.path.join(m, "config.json"))]:
         raise ValueError(f"unknown models {bad}: use 'bench', 'builtin' or checkpoint directories "
@@ -373,20 +371,19 @@ def bench(args) -> int:
 def format_row(r: dict) -> str:
     a, z = r["points"][0], r["points"][-1]
 
-    def ratio(p):
-        if p["x_compiled"] is None:
-            return ""
-        best = p.get("x_compiled_best")
-        return f", {p['x_compiled']:.2f}x compiled's speed" + (f" (best rounds {best:.2f}x)" if best is not None else "")
-
-    def float_ratio(p):
-        return f", {p['x_float']:.2f}x the float program's speed" if p.get("x_float") is not None else ""
+    def decode(p: dict) -> str:
+        s = f"{p['decode_ms']:.2f} ms @ctx{p['context']} ({p['x_floor']:.2f}x floor"
+        if p["x_compiled"] is not None:
+            s += f", {p['x_compiled']:.2f}x compiled's speed"
+            if p.get("x_compiled_best") is not None:
+                s += f" (best rounds {p['x_compiled_best']:.2f}x)"
+        if p.get("x_float") is not None:
+            s += f", {p['x_float']:.2f}x the float program's speed"
+        return s + ")"
 
     built = (f"export {r['export_s']:.0f} s, file {r['file_mib']:.1f} MiB" if "export_s" in r
              else f"warm-up {r['warmup_s']:.1f} s")
-    return (f"{r['model']:>7} {r['backend']:>8} B={r['batch']}: decode {a['decode_ms']:.2f} ms "
-            f"@ctx{a['context']} ({a['x_floor']:.2f}x floor{ratio(a)}{float_ratio(a)}), {z['decode_ms']:.2f} ms "
-            f"@ctx{z['context']} ({z['x_floor']:.2f}x floor{ratio(z)}{float_ratio(z)}) | floor {r['floor_ms']:.2f} ms "
-            f"({r['read_bytes'] / 1e6:.1f} MB) | prefill {a['prefill_tok_s']:.0f} tok/s @{a['context']}, "
-            f"{z['prefill_tok_s']:.0f} @{z['context']} | {built} | state {r['state_bytes'] / 2**20:.1f} MiB "
-            f"| peak RSS {r['peak_rss_mib']:.0f} MiB")
+    return (f"{r['model']:>7} {r['backend']:>8} B={r['batch']}: decode {decode(a)}, {decode(z)} | floor "
+            f"{r['floor_ms']:.2f} ms ({r['read_bytes'] / 1e6:.1f} MB) | prefill {a['prefill_tok_s']:.0f} tok/s "
+            f"@{a['context']}, {z['prefill_tok_s']:.0f} @{z['context']} | {built} | state "
+            f"{r['state_bytes'] / 2**20:.1f} MiB | peak RSS {r['peak_rss_mib']:.0f} MiB")

@@ -62,23 +62,19 @@ def export_main(args) -> int:
         info(f"exporting {fmt} (batch {args.batch_size}, {chunk}{', ' + quantize if quantize else ''}); "
              f"lowering can take minutes ...")
         suffix = f".{quantize}" if quantize else ""
+        kw = dict(prefill_chunk=None if args.decode_only else args.prefill_chunk, parallel=args.parallel,
+                  full_logits=args.full_logits, quantize=quantize)
         if fmt == "web":
-            paths = export_web(model, tok, args.out, None if args.decode_only else args.prefill_chunk,
-                               parallel=args.parallel, full_logits=args.full_logits, quantize=quantize)
-            site = (*PAGE_FILES, *RUNTIME_FILES, COI_FILE)
-            files = [*paths.values(), *(os.path.join(args.out, f) for f in site)]
+            site = (os.path.join(args.out, f) for f in (*PAGE_FILES, *RUNTIME_FILES, COI_FILE))
+            files = [*export_web(model, tok, args.out, **kw).values(), *site]
         elif fmt == "pte":
-            files = [export_pte(model, f"{stem}{suffix}.pte", batch_size=args.batch_size,
-                                prefill_chunk=None if args.decode_only else args.prefill_chunk,
-                                quantize=quantize, eos_token_id=eos, bos_token_id=tok.bos_token_id,
-                                quantize_embedding=args.quantize_embedding, parallel=args.parallel,
-                                full_logits=args.full_logits, prefix_decode=args.prefix_decode)]
-        else:
-            paths = export_onnx(model, f"{stem}{suffix}.onnx", batch_size=args.batch_size,
-                                prefill_chunk=None if args.decode_only else args.prefill_chunk,
-                                eos_token_id=eos, parallel=args.parallel, full_logits=args.full_logits,
-                                quantize=quantize)
-            files = list(paths.values())  # the decode graph first
+            files = [export_pte(model, f"{stem}{suffix}.pte", batch_size=args.batch_size, eos_token_id=eos,
+                                bos_token_id=tok.bos_token_id, quantize_embedding=args.quantize_embedding,
+                                prefix_decode=args.prefix_decode, **kw)]
+        else:  # the decode graph first
+            paths = export_onnx(model, f"{stem}{suffix}.onnx", batch_size=args.batch_size, eos_token_id=eos,
+                                **kw)
+            files = list(paths.values())
         info(f"wrote {files[0]}{f' (+ {len(files) - 1} more files)' if len(files) > 1 else ''} in "
              f"{time.perf_counter() - t:.0f} s")
         for path in files:

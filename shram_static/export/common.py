@@ -22,10 +22,9 @@ def check_export_args(cfg: ShramConfig, batch_size, prefill_chunk, eos_token_id,
                       parallel=False, full_logits=False, verify_len=None) -> None:
     """Raises TypeError/ValueError on export arguments that cannot make a program (shared by
     .pte/.onnx), before anything is traced."""
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+    for name, n in (("batch_size", batch_size), ("prefill_chunk", prefill_chunk)):
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
     for name, tid in (("eos_token_id", eos_token_id), ("bos_token_id", bos_token_id)):
         if tid is not None and not 0 <= int(tid) < cfg.vocab_size:
             raise ValueError(f"{name} {tid} is outside the vocabulary [0, {cfg.vocab_size})")
@@ -81,8 +80,7 @@ def export_prefix_lengths(cfg: ShramConfig, lengths=None) -> tuple[int, ...]:
             or any(a >= b for a, b in zip(lengths, lengths[1:]))):
         raise ValueError(f"prefix_lengths must be ascending ints in [2, {T}] (the sparse cache "
                          f"length), got {lengths!r}")
-    if not lengths:
-        return ()
-    lengths = lengths if lengths[-1] == T else (*lengths, T)
+    if lengths and lengths[-1] != T:
+        lengths = (*lengths, T)
     return lengths if len(lengths) > 1 else ()
 

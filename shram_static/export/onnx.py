@@ -49,12 +49,10 @@ def _export_graph(fn: FunctionalStep, state: StaticState, C: int, lengths: tuple
     slots = slot_numbers(fn.model.config.mosrah_cache_length)[:lengths[-1]] if lengths else None
     args = (torch.zeros(B, C, dtype=torch.long), torch.zeros(B, dtype=torch.long),
             torch.ones(B, C, dtype=torch.bool), *([slots] if lengths else []), *[t.clone() for t in state.tensors()])
-    dynamic = None
-    if lengths:  # tokens, input_pos, live, slots, the state (*state: one entry)
-        # WHY {} and not None per state tensor: torch.onnx.export turns a tuple of Nones into a
-        # list, which torch.export rejects
-        dynamic = (None, None, None, {0: torch.export.Dim("P", min=lengths[0], max=lengths[-1])},
-                   ({},) * len(names))
+    # tokens, input_pos, live, slots, the state (*state: one entry). WHY {} and not None per state
+    # tensor: torch.onnx.export turns a tuple of Nones into a list, which torch.export rejects
+    dynamic = (None, None, None, {0: torch.export.Dim("P", min=lengths[0], max=lengths[-1])},
+               ({},) * len(names)) if lengths else None
     # WHY torch.onnx's logs at ERROR only: its registry warns per torchvision operator it skips
     with torch.no_grad(), accelerators.onnx_export(), without_leafspec_notice(), quiet_loggers("torch.onnx"):
         prog = torch.onnx.export(
@@ -110,13 +108,12 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
         batch_size: B rows per call.
         prefill_chunk: C tokens per prefill call; None: no prefill graph (decode only), and a
             `m.prefill.onnx` an earlier export left there is removed.
-        eos_token_id: stored in the metadata; the loaded decoder's `generate` stops on it.
-        parallel: export the decode graph in a forked process (Linux, 2+ CPUs; same graphs, up
-            to twice the peak memory).
+        eos_token_id: stored in the metadata; the loaded decoder's `generate` stops on it; default
+            the config's.
+        parallel: export the decode graph in a forked process (Linux, 2+ CPUs; up to 2x the peak memory).
         verify_len: also write `m.verify.onnx` of verify_len tokens per row (speculative
             decoding), and build the state to roll back max(C, verify_len) tokens.
-        full_logits: the prefill graph returns every token's logits [B, C, V] (for scoring
-            text), not only each row's last live token's [B, 1, V].
+        full_logits: the prefill graph returns every token's logits [B, C, V] (scoring text), not [B, 1, V].
         quantize: None, "int8" or "int4": MatMuls with a constant weight become `MatMulNBits`
             (blocks of 32 inputs; `onnx_quantize.py`).
         quantize_embedding: with quantize="int4", the token embedding too (`GatherBlockQuantized`).
@@ -129,6 +126,7 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
     """
     cfg: ShramConfig = model.config
     C = 1 if prefill_chunk is None else prefill_chunk
+    eos_token_id = getattr(cfg, "eos_token_id", None) if eos_token_id is None else eos_token_id
     check_export_args(cfg, batch_size, C, eos_token_id, parallel=parallel, full_logits=full_logits,
                       verify_len=verify_len)
     check_onnx_quantize(quantize)
@@ -142,8 +140,7 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
     state = StaticState(cfg, batch_size, C, dtype=dtype, rollback_limit=verify_len)
     # Steps of more than one token attend expert by expert, as in `export_pte` (Gather copies too).
     kind = _SlotsStep if lengths else FunctionalStep
-    fn = kind(model, state).eval()
-    fn_last = kind(model, state, last_only=True).eval()
+    fns = {last: kind(model, state, last_only=last).eval() for last in (False, True)}  # by last_only
     paths = graph_paths(path, verify=True)
     os.makedirs(os.path.dirname(os.path.abspath(paths["decode"])), exist_ok=True)
     export_id = uuid.uuid4().hex  # ties the files of one export together
@@ -151,9 +148,8 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
     chunks = {"decode": 1} if prefill_chunk is None else {"decode": 1, "prefill": C}
     if verify_len is not None:
         chunks["verify"] = verify_len
-    step_of = {role: fn_last if role == "prefill" and not full_logits else fn for role in chunks}
-    jobs = {role: functools.partial(_export_graph, step_of[role], state, chunks[role], lengths)
-            for role in reversed(chunks)}
+    jobs = {role: functools.partial(_export_graph, fns[role == "prefill" and not full_logits], state,
+                                    chunks[role], lengths) for role in reversed(chunks)}
     protos = accelerators.run_jobs(jobs, lambda m: m.SerializeToString(), onnx.ModelProto.FromString, parallel)
     models = {}
     for role, c in chunks.items():

@@ -104,9 +104,7 @@ class RoPEFusion(pattern.RewriteRuleClassBase):
         if any(v.dtype != ir.DataType.FLOAT for v in (x, cos, sin)):
             return r.fail("not fp32")
         B, A, S, _ = xs
-        if cs in ([B, 1, S, u], [B, A, 1, u]):
-            return r
-        return r.fail(f"cos/sin rows {cs} do not match x {xs}")
+        return r if cs in ([B, 1, S, u], [B, A, 1, u]) else r.fail(f"cos/sin rows {cs} do not match x {xs}")
 
     def rewrite(self, op, x, cos, sin, **_):
         B, A, S, u = x.shape
@@ -143,7 +141,7 @@ class MaxHalvesFusion(pattern.RewriteRuleClassBase):
         return op.ReduceMax(y, op.Constant(value_ints=[-1]), keepdims=1)
 
 
-class MaxTreeFusion(pattern.RewriteRuleClassBase):
+class MaxTreeFusion(MaxHalvesFusion):
     """ReduceMax(Max(y[..., :h], y[..., h:2h])) -> ReduceMax(y): one level of `max_last`'s tree."""
 
     def pattern(self, op, y, s1, e1, a1, t1, s2, e2, a2, t2, axes):
@@ -161,9 +159,6 @@ class MaxTreeFusion(pattern.RewriteRuleClassBase):
         if not (_half_slice(y, s1, e1, a1, t1, 0, h) and _half_slice(y, s2, e2, a2, t2, h, 2 * h)):
             return r.fail("not the halves of y")
         return r
-
-    def rewrite(self, op, y, **_):
-        return op.ReduceMax(y, op.Constant(value_ints=[-1]), keepdims=1)
 
 
 RULES = (RMSNormFusion.rule(), RoPEFusion.rule(), MaxHalvesFusion.rule(), MaxTreeFusion.rule())

@@ -7,6 +7,7 @@ a `GatherBlockQuantized` of int4 rows (for download-bound sites).
 import logging
 
 from ..backends import quantize_modes
+from ..console import quiet_loggers
 
 ONNX_QUANTIZE_MODES = quantize_modes("onnx")  # the `onnx-*` backends' modes
 BLOCK = 32  # inputs per scale: q4_0's and q8_0's block (accuracy against MatMulNBits' default of 128)
@@ -46,24 +47,18 @@ def quantize_graph(model, mode: str, embedding: bool = False):
         ops = ("MatMul", "Gather")
         # only the token embedding: another constant Gather (a position table) keeps its floats
         exclude = [n.name for n in model.graph.node if n.op_type == "Gather" and n.input[1] != "input_ids"]
-    log = logging.getLogger("onnxruntime.quantization")  # WHY: it logs a line per MatMul at INFO
-    level = log.level
-    log.setLevel(logging.ERROR)  # WHY: and warns that int4 data lifts the opset to 21 (it does, validly)
-    try:
+    # WHY quiet: it logs a line per MatMul at INFO, and warns that int4 data lifts the opset to 21 (validly)
+    with quiet_loggers("onnxruntime.quantization"):
         q = MatMulNBitsQuantizer(model, bits=8 if mode == "int8" else 4, block_size=BLOCK, is_symmetric=True,
                                  accuracy_level=ACCURACY_LEVEL, op_types_to_quantize=ops, nodes_to_exclude=exclude)
         q.process()
-    finally:
-        log.setLevel(level)
     out = q.model.model
     return out, before - sum(n.op_type == "MatMul" for n in out.graph.node)
 
 
 def _quantizer_class():
-    """onnxruntime's `MatMulNBitsQuantizer`, imported with the root logger left as it was.
-
-    WHY: its module calls `logging.basicConfig(level=INFO)`, which would print every library's
-    INFO records for the rest of the process."""
+    """onnxruntime's `MatMulNBitsQuantizer`, imported with the root logger left as it was (WHY: its
+    module calls `logging.basicConfig(level=INFO)`: every library's INFO records would print)."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     try:
@@ -105,19 +100,14 @@ def dequantized_matmuls(model):
         q.CopyFrom(packed)  # the same bytes (raw or external), read as [N, K padded] integers
         q.name = f"{packed.name}.as_{bits}bit"
         q.data_type = TensorProto.UINT4 if bits == 4 else TensorProto.UINT8
-        del q.dims[:]
-        q.dims.extend([N, kp])
+        q.dims[:] = [N, kp]
         s = TensorProto()
         s.CopyFrom(scales)
         s.name = f"{scales.name}.as_blocks"
-        del s.dims[:]
-        s.dims.extend([N, blocks])
+        s.dims[:] = [N, blocks]
         zp_vals = np.full(N * blocks, 8 if bits == 4 else 128, np.uint8)
-        if bits == 4:
-            zp = helper.make_tensor(f"{packed.name}.zero", TensorProto.UINT4, [N, blocks], _pack_uint4(zp_vals),
-                                    raw=True)
-        else:
-            zp = numpy_helper.from_array(zp_vals.reshape(N, blocks), f"{packed.name}.zero")
+        zp_raw = _pack_uint4(zp_vals) if bits == 4 else zp_vals.tobytes()
+        zp = helper.make_tensor(f"{packed.name}.zero", q.data_type, [N, blocks], zp_raw, raw=True)
         g.initializer.extend([q, s, zp])
         w_t = f"{n.output[0]}.weight_t"
         nodes.append(helper.make_node("DequantizeLinear", [q.name, s.name, zp.name], [w_t], axis=1, block_size=block,

@@ -18,8 +18,8 @@ _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tenso
               "tensor(uint8)": np.uint8}
 
 
-def _read_meta(path: str) -> tuple[dict, dict]:
-    """(config dict, export dict) from a graph's metadata_props, without loading weights."""
+def _read_meta(path: str, role: str) -> tuple[dict, dict]:
+    """(config dict, export dict) from the metadata_props of `role`'s graph, without loading weights."""
     import onnx
     try:
         m = onnx.load(path, load_external_data=False)
@@ -32,6 +32,8 @@ def _read_meta(path: str) -> tuple[dict, dict]:
     meta = json.loads(props["shram_export"])
     if meta.get("format") != ONNX_FORMAT:
         raise ExportFormatError(f"{path} has format {meta.get('format')!r}; this version reads {ONNX_FORMAT!r}")
+    if meta.get("role") != role:
+        raise ExportFormatError(f"{path} holds the {meta.get('role')!r} graph, expected {role}")
     return json.loads(props["shram_config"]), meta
 
 
@@ -49,10 +51,9 @@ class _Graph:
             raise ExportFormatError(f"onnxruntime cannot load {path} (truncated, or its .data file "
                                     f"is missing or damaged?): {e}") from e
         self.inputs = {i.name: i for i in self.sess.get_inputs()}
-        self.takes_slots = SLOTS_INPUT in self.inputs  # the sparse slots it attends
         self.binding = self.sess.io_binding()
-        shape = self.sess.get_outputs()[0].shape
-        self.logits = np.zeros(shape, dtype=_NP_DTYPES[self.sess.get_outputs()[0].type])
+        out = self.sess.get_outputs()[0]
+        self.logits = np.zeros(out.shape, dtype=_NP_DTYPES[out.type])
         self._logits_ov = ort.OrtValue.ortvalue_from_numpy(self.logits)
         self.binding.bind_ortvalue_output("logits", self._logits_ov)
 
@@ -63,11 +64,9 @@ class _Graph:
 
     def run(self, ids: np.ndarray, pos: np.ndarray, live: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
         self._keep = (ids, pos, live, slots)  # the binding points into these arrays until the run ends
-        self.binding.bind_cpu_input("input_ids", ids)
-        self.binding.bind_cpu_input("position_ids", pos)
-        self.binding.bind_cpu_input("live", live)
-        if slots is not None:
-            self.binding.bind_cpu_input(SLOTS_INPUT, slots)
+        for name, a in (("input_ids", ids), ("position_ids", pos), ("live", live), (SLOTS_INPUT, slots)):
+            if a is not None:
+                self.binding.bind_cpu_input(name, a)
         self.sess.run_with_iobinding(self.binding)
         return self.logits.copy()
 
@@ -89,18 +88,13 @@ class OnnxDecoder(HostDecoder):
         import onnxruntime as ort
         paths = graph_paths(path, verify=True)
         _need_file(paths["decode"])
-        cfg_d, meta = _read_meta(paths["decode"])
-        if meta.get("role") != "decode":
-            raise ExportFormatError(f"{paths['decode']} holds the {meta.get('role')!r} graph, expected decode")
+        cfg_d, meta = _read_meta(paths["decode"], "decode")
         roles = meta.get("roles", ["decode", "prefill"])  # absent: written before decode-only exports
-        for role in [r for r in roles if r != "decode"] + ["data"]:
+        others = [r for r in roles if r != "decode"]
+        for role in others + ["data"]:
             _need_file(paths[role])
-        for role in [r for r in roles if r != "decode"]:
-            _, meta_p = _read_meta(paths[role])
-            if meta_p.get("role") != role:
-                raise ExportFormatError(f"{paths[role]} holds the {meta_p.get('role')!r} graph, "
-                                        f"expected {role}")
-            if meta_p.get("export_id") != meta.get("export_id"):
+        for role in others:
+            if _read_meta(paths[role], role)[1].get("export_id") != meta.get("export_id"):
                 raise ExportFormatError(f"{paths[role]} comes from another export than "
                                         f"{paths['decode']} (export ids differ): re-export both")
         config = ShramConfig.from_dict(cfg_d)
@@ -116,9 +110,9 @@ class OnnxDecoder(HostDecoder):
         lengths = meta.get("prefix_lengths") or ()
         self._slots = PrefixSlots(config, lengths) if lengths else None
         for role, g in self._graphs.items():
-            if g.takes_slots != bool(lengths):
+            if (SLOTS_INPUT in g.inputs) != bool(lengths):
                 raise ExportFormatError(
-                    f"{paths[role]} {'takes' if g.takes_slots else 'has no'} a {SLOTS_INPUT!r} input, but the "
+                    f"{paths[role]} {'has no' if lengths else 'takes'} a {SLOTS_INPUT!r} input, but the "
                     f"metadata lists prefix lengths {list(lengths)} (a file from another export?)")
         B, C, V = self.batch_size, self.prefill_chunk, config.vocab_size
         for role, g in self._graphs.items():

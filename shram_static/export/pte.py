@@ -28,6 +28,7 @@ from .views import state_view_planning, written_cache_views_pass
 
 _SCALAR_TYPE = {torch.float32: 6, torch.float16: 5, torch.bfloat16: 15}  # c10::ScalarType codes
 
+
 class _Decode1(nn.Module):
     """Stock-runner decode step for batch 1: `(tokens [1, 1], input_pos [1]) -> logits [1, V]`."""
 
@@ -55,13 +56,11 @@ class _Chunk(nn.Module):
 
 
 def _init_first_method_pass(names):
-    """A pass marking the state buffers of the FIRST method it sees as initialised
-    (`meta["et_init_buffer"]`, as ExecuTorch's `InitializedMutableBufferPass`).
+    """A pass marking the state buffers of the FIRST method it sees as initialised (`et_init_buffer`,
+    as ExecuTorch's `InitializedMutableBufferPass`, which re-traces the graph: seconds per method).
 
-    WHY: unmarked, a fresh program's state is whatever the allocator left (a NaN in a masked
-    slot poisons attention: 0 * NaN); marked, the starting bytes are stored per method, so only
-    the decode method (loaded first) is marked. Set on the placeholders directly: ExecuTorch's
-    pass re-traces the whole graph (seconds per method).
+    WHY: unmarked, a fresh program's state is whatever the allocator left (a NaN in a masked slot
+    poisons attention: 0 * NaN); marked, its starting bytes are stored per method: decode's only.
     """
     from torch.fx.passes.infra.pass_base import PassResult
 
@@ -123,11 +122,8 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
                 torch.ones(B, c, dtype=torch.bool))
 
     decode_name = "forward" if B == 1 else "decode"
-    if B == 1:
-        dec, dec_args = _Decode1(step), step_args(1)[:2]
-    else:
-        dec, dec_args = _Chunk(step, last=True), step_args(1)
-    methods = {decode_name: (dec, dec_args)}  # decode first: see _init_first_method_pass
+    dec = (_Decode1(step), step_args(1)[:2]) if B == 1 else (_Chunk(step, last=True), step_args(1))
+    methods = {decode_name: dec}  # decode first: see _init_first_method_pass
     if prefill_chunk is not None:
         methods["prefill"] = (_Chunk(step, last=False, last_live=not full_logits), step_args(C))
     full_prefill = prefill_chunk is not None and full_logits  # prefill can verify C tokens
@@ -151,8 +147,7 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
     config = EdgeCompileConfig(_check_ir_validity=False)
 
     def export_and_lower(name):
-        """`torch.export` (non-strict: the step has no data-dependent Python) and
-        `to_edge_transform_and_lower` of one method."""
+        """`torch.export` (non-strict: no data-dependent Python), `to_edge_transform_and_lower`."""
         with without_leafspec_notice():
             return accelerators.export_and_lower({name: methods[name]}, xnnpack_partitioner(), {},
                                                  config).exported_program(name)
@@ -166,15 +161,11 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         "rollback_limit": state.rollback_limit, "verify_len": verify_len, "verify_method": verify_method,
         "full_logits": full_logits, "prefix_lengths": list(lengths), "slots_methods": slots_methods,
     }
+    S = cfg.inference_sequence_length
     constants = {
-        "get_max_seq_len": cfg.inference_sequence_length,
-        "get_max_context_len": cfg.inference_sequence_length,
-        "use_kv_cache": True,
-        "enable_dynamic_shape": False,
+        "get_max_seq_len": S, "get_max_context_len": S, "use_kv_cache": True, "enable_dynamic_shape": False,
         # Read by optimum-executorch's ExecuTorchModelForCausalLM (and the llama runners).
-        "get_max_batch_size": B,
-        "get_vocab_size": cfg.vocab_size,
-        "get_dtype": _SCALAR_TYPE[dtype],
+        "get_max_batch_size": B, "get_vocab_size": cfg.vocab_size, "get_dtype": _SCALAR_TYPE[dtype],
         "get_bos_id": -1 if bos_token_id is None else int(bos_token_id),
         "get_eos_ids": [] if eos_token_id is None else [int(eos_token_id)],
         "get_shram_config": cfg.to_json_string(use_diff=False),  # a string constant method
@@ -213,15 +204,12 @@ def export_pte(model, path, batch_size: int = 1, prefill_chunk: int | None = 32,
             (int4 weights in groups of 32 where the width allows); see `quantize_weights`.
         eos_token_id: stored as `get_eos_ids` and used by `generate`; default the config's.
         bos_token_id: stored as `get_bos_id`; default the config's.
-        quantize_embedding: with `quantize`, also the embedding table as int8 rows (a quarter of
-            its bytes, more logit drift).
-        parallel: lower the decode method in a forked process (Linux, 2+ CPUs; same program, up
-            to twice the peak memory).
+        quantize_embedding: with `quantize`, the embedding too, as int8 rows (1/4 the bytes, more drift).
+        parallel: lower the decode method in a forked process (Linux, 2+ CPUs; up to 2x the peak memory).
         verify_len: also write `verify(tokens [B, n], input_pos, live)` of n tokens per row
             (speculative decoding; a `full_logits` prefill serves when n == C), and build the
             state to roll back max(C, n) tokens (`rollback_limit`).
-        full_logits: `prefill` returns every token's logits [B, C, V] (for scoring text), not
-            only each row's last live token's [B, 1, V].
+        full_logits: `prefill` returns every token's logits [B, C, V] (scoring text), not [B, 1, V].
         prefix_lengths: the prefix lengths of the sparse caches the step methods attend
             (`common.export_prefix_lengths`; () for whole-cache methods): every method but
             `forward` takes `slots` [P] float32, P a bounded dynamic size.

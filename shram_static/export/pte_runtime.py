@@ -78,14 +78,14 @@ class PteDecoder(HostDecoder):
         # absent: a file written before rollback support, whose state cannot roll back
         self.rollback_limit = int(meta.get("rollback_limit") or 0)
         self.verify_len = meta.get("verify_len")
-        if meta.get("verify_method") == "verify":
+        verify = "verify" if meta.get("verify_method") == "verify" else None
+        if verify:
             self._check_signature("verify", (B, self.verify_len), (B, self.verify_len, V))
         try:
             # Decode first: it carries the state's starting values (see `pte._init_first_method_pass`).
-            self._decode = program.load_method(meta["decode_method"])
-            self._prefill = (program.load_method(meta["prefill_method"])
-                             if meta["prefill_method"] is not None else None)
-            self._verify = program.load_method("verify") if meta.get("verify_method") == "verify" else None
+            self._decode, self._prefill, self._verify = (
+                None if name is None else program.load_method(name)
+                for name in (meta["decode_method"], meta["prefill_method"], verify))
         except Exception as e:
             raise ExportFormatError(f"{path}: loading the step methods failed (truncated, or built "
                                     f"with kernels this runtime lacks?): {e}") from e
@@ -100,9 +100,8 @@ class PteDecoder(HostDecoder):
                 raise ExportFormatError(f"{path}: loading the decode method failed: {e}") from e
             meta = {**meta, "decode_method": "decode"}
         self._batched = meta["decode_method"] != "forward"
-        self._slots_methods = [m for m, name in ((self._decode, meta["decode_method"]),
-                                                 (self._prefill, meta["prefill_method"]), (self._verify, "verify"))
-                               if m is not None and name in takes]
+        steps = {"decode": self._decode, "prefill": self._prefill, "verify": self._verify}
+        self._slots_methods = [m for name, m in steps.items() if m is not None and name in takes]
         self._slots = PrefixSlots(config, meta["prefix_lengths"]) if self._slots_methods else None
 
     def _check_signature(self, method: str, tokens_shape, logits_shape) -> None:
@@ -153,9 +152,8 @@ class PteDecoder(HostDecoder):
                 # decode is a no-op, so skip the call (its logits are unspecified).
                 out = torch.zeros(1, self.config.vocab_size)
             return out[:, None, :]
-        if tokens.shape[1] != self.prefill_chunk or self._prefill is None or not self.full_logits:
-            return self._with_slots(self._verify, tokens, input_pos, live)
-        return self._with_slots(self._prefill, tokens, input_pos, live)
+        every = tokens.shape[1] == self.prefill_chunk and self._prefill is not None and self.full_logits
+        return self._with_slots(self._prefill if every else self._verify, tokens, input_pos, live)
 
 
 def load_pte(path) -> PteDecoder:

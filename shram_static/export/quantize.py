@@ -14,16 +14,6 @@ QUANTIZE_MODES = (None, *quantize_modes("pte"))  # float, then the `pte-*` backe
 GROUP = 32  # int4 group size: XNNPACK's blockwise int4 GEMM takes multiples of 32
 
 
-def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row (last dim), torchao's primitives: w (..., b) -> q (..., b) int8 and
-    scale (..., 1) in w's dtype, w ~= q * scale."""
-    from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine, quantize_affine
-
-    block = (1,) * (w.dim() - 1) + (w.shape[-1],)
-    scale, zero = choose_qparams_affine(w, MappingType.SYMMETRIC, block, torch.int8, keepdim=True)
-    return quantize_affine(w, block, scale, zero, torch.int8), scale.to(w.dtype)
-
-
 class Int8Embedding(nn.Module):
     """An embedding table stored as int8 rows with per-row scales; looks up like nn.Embedding.
 
@@ -36,10 +26,13 @@ class Int8Embedding(nn.Module):
     """
 
     def __init__(self, emb: nn.Embedding):
+        from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine, quantize_affine
+
         super().__init__()
-        q, s = int8_rows(emb.weight.detach())
-        self.register_buffer("weight_q", q)  # (V, d) int8
-        self.register_buffer("scale", s)  # (V, 1)
+        w, block = emb.weight.detach(), (1, emb.weight.shape[-1])  # symmetric int8 per row: w ~= q * scale
+        scale, zero = choose_qparams_affine(w, MappingType.SYMMETRIC, block, torch.int8, keepdim=True)
+        self.register_buffer("weight_q", quantize_affine(w, block, scale, zero, torch.int8))  # (V, d) int8
+        self.register_buffer("scale", scale.to(w.dtype))  # (V, 1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (...) int64 -> (..., d)."""

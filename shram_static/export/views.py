@@ -51,7 +51,9 @@ def written_cache_views_pass(gm: torch.fx.GraphModule):
     return PassResult(gm, modified)
 
 
-def _state_view_planning_cls():
+def state_view_planning():
+    """The `MemoryPlanningPass` for `ExecutorchBackendConfig`: one shared copy of each state
+    buffer across methods, views of state buffers planned as plain tensors in place."""
     from executorch.exir import memory
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.tensor import TensorSpec
@@ -87,10 +89,4 @@ def _state_view_planning_cls():
                     plain.lifetime = list(old.lifetime)
                     n.meta["spec"] = plain
 
-    return StateViewPlanning
-
-
-def state_view_planning():
-    """The `MemoryPlanningPass` for `ExecutorchBackendConfig`: one shared copy of each state
-    buffer across methods, views of state buffers planned as plain tensors in place."""
-    return _state_view_planning_cls()()
+    return StateViewPlanning()

@@ -55,12 +55,6 @@ def find_ort_web(where: str | None = None) -> Path:
         f"then export from there, or point SHRAM_ORT_WEB at a node_modules folder that has onnxruntime-web.")
 
 
-def ort_web_version(dist: Path) -> str:
-    """The version of the onnxruntime-web package whose `dist` folder is given."""
-    with open(dist.parent / "package.json", encoding="utf-8") as f:
-        return json.load(f)["version"]
-
-
 def row_writes_graph(src: str, dst: str) -> str:
     """Writes a copy of an `export_onnx` graph returning, instead of each `present.<name>`, the
     rows the step wrote: `write.<name>.index` ([n, 1] int64) and `write.<name>.rows` ([n, ...]).
@@ -79,13 +73,12 @@ def row_writes_graph(src: str, dst: str) -> str:
     from onnx import helper
 
     m = onnx.load(src, load_external_data=False)
+    written = {n.input[i] for n in m.graph.node if n.op_type == "ScatterND" for i in (1, 2)}
+    if not written <= {v.name for v in [*m.graph.value_info, *m.graph.input, *m.graph.output]}:
+        m = onnx.shape_inference.infer_shapes(m)
     g = m.graph
     made = {o: n for n in g.node for o in n.output}
     typed = {v.name: v for v in [*g.value_info, *g.input, *g.output]}
-    if not all(n.input[i] in typed for n in g.node if n.op_type == "ScatterND" for i in (1, 2)):
-        m = onnx.shape_inference.infer_shapes(m)
-        g = m.graph
-        typed = {v.name: v for v in [*g.value_info, *g.input, *g.output]}
     outputs = []
     for o in g.output:
         if not o.name.startswith("present."):
@@ -110,19 +103,6 @@ def row_writes_graph(src: str, dst: str) -> str:
     return dst
 
 
-def strip_node_metadata(path: str) -> str:
-    """Rewrites the graph at `path` without its nodes' `metadata_props` (stack traces, build
-    paths) and its intermediate shapes (onnxruntime infers them); returns `path`."""
-    import onnx
-
-    m = onnx.load(path, load_external_data=False)
-    for n in m.graph.node:
-        del n.metadata_props[:]
-    del m.graph.value_info[:]
-    onnx.save(m, path)
-    return path
-
-
 def _tokenizer_entry(tok, out_dir: str) -> dict:
     """Writes the tokenizer's files into the site; returns the manifest's `tokenizer` entry."""
     entry = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "file": TOKENIZER_FILE}
@@ -133,10 +113,10 @@ def _tokenizer_entry(tok, out_dir: str) -> dict:
     tok.tok.backend_tokenizer.save(path)
     with open(path, encoding="utf-8") as f:
         spec = json.load(f)
-    pre = json.dumps(spec.get("pre_tokenizer"))
-    if (spec.get("model") or {}).get("type") != "BPE" or "ByteLevel" not in pre:
+    kind, pre = (spec.get("model") or {}).get("type"), json.dumps(spec.get("pre_tokenizer"))
+    if kind != "BPE" or "ByteLevel" not in pre:
         raise ValueError(f"the web module runs byte-level BPE tokenizers only; this tokenizer.json has model "
-                         f"{(spec.get('model') or {}).get('type')!r} and pre_tokenizer {pre[:120]}")
+                         f"{kind!r} and pre_tokenizer {pre[:120]}")
     return {"type": "tokenizer.json", **entry}
 
 
@@ -182,21 +162,29 @@ def export_web(model, tokenizer, out_dir, prefill_chunk: int | None = 32, *, par
                 onnx.save(dequantized_matmuls(onnx.load(rows, load_external_data=False))[0], dq)
                 onnx.checker.check_model(dq)
                 paths[f"{role}_rows_dq"] = dq
-    for role, p in paths.items():  # after the row-writes graphs, which are made with the shapes
+    # Each graph without its nodes' metadata_props (stack traces, build paths) and intermediate
+    # shapes (onnxruntime infers them); after the row-writes graphs, which are made with the shapes.
+    for role, p in paths.items():
         if role != "data":
-            strip_node_metadata(p)
+            m = onnx.load(p, load_external_data=False)
+            for n in m.graph.node:
+                del n.metadata_props[:]
+            del m.graph.value_info[:]
+            onnx.save(m, p)
     graph = onnx.load(paths["decode"], load_external_data=False).graph
     state = [{"name": i.name.removeprefix("past."), "type": _ONNX_TYPES[i.type.tensor_type.elem_type],
               "dims": [d.dim_value for d in i.type.tensor_type.shape.dim]}
              for i in graph.input if i.name.startswith("past.")]
     cfg = model.config
+    with open(dist.parent / "package.json", encoding="utf-8") as f:
+        ort_version = json.load(f)["version"]
     manifest = {
         "format": MANIFEST_FORMAT, "files": {role: os.path.basename(p) for role, p in paths.items()},
         "prefill_chunk": prefill_chunk or 1, "capacity": cfg.inference_sequence_length,
         "vocab_size": cfg.vocab_size, "eos_token_id": tokenizer.eos_token_id, "tokenizer": tok_entry,
         "state": state, "quantize": quantize, "quantized_embedding": quantize == "int4",
         "bytes": {role: os.path.getsize(p) for role, p in paths.items()},
-        "onnxruntime_web": ort_web_version(dist),
+        "onnxruntime_web": ort_version,
         "model": {"layers": cfg.num_decoder_layers, "width": cfg.embedding_width,
                   "parameters": sum(p.numel() for p in model.parameters())},
     }

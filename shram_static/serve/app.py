@@ -11,13 +11,13 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from .engine import Engine, Event, Job, NotReady, QueueFull
 from .guard import BearerAuth, Guard
 from .limits import MAX_BODY_BYTES, MAX_STOP, MAX_STOP_CHARS
 from .logprobs import chat_logprobs, completion_logprobs
-from .metrics import CONTENT_TYPE
 from .schema import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 
 BUILTIN_NAME = "shram-static-builtin"
@@ -104,11 +104,11 @@ def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, b
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return e.response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
-        return await _api_error(request, validation_error(list(e.errors())))
+        return validation_error(list(e.errors())).response()
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, e: HTTPException):
@@ -122,7 +122,7 @@ def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, b
             msg = "the request body could not be read as JSON (it must be UTF-8, nested at most ~1000 levels deep)"
         else:
             msg = str(e.detail)
-        return await _api_error(request, APIError(e.status_code, msg, headers=dict(e.headers or {})))
+        return APIError(e.status_code, msg, headers=dict(e.headers or {})).response()
 
     @app.get("/health")
     async def health():
@@ -139,7 +139,8 @@ def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, b
         """Prometheus text: requests, tokens, errors, queue depth, busy rows, step time, and
         histograms of time to first token, inter-token latency, request latency, queue wait."""
         B = engine.decoder.batch_size if engine.ready else 0
-        return Response(engine.metrics.render(engine.queue_depth, engine.busy_rows, B), media_type=CONTENT_TYPE)
+        return Response(engine.metrics.render(engine.queue_depth, engine.busy_rows, B),
+                        media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -159,8 +160,8 @@ def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, b
         # unset: 16 tokens, as OpenAI's legacy completions and vLLM (at most what fits)
         n = body.max_tokens if body.max_tokens is not None else min(16, engine.capacity - len(ids) + 1)
         job = _job(body, ids, n, engine, stops, body.logprobs)
-        return await _Run(engine, job, request, "text_completion", name, echo=(text if body.echo else ""),
-                          tokenizer=engine.tokenizer).respond(body)
+        return await _Run(engine, job, request, "text_completion", name,
+                          echo=text if body.echo else "").respond(body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -181,7 +182,7 @@ def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, b
         ids = _check_ids(_encode(tok, text, "messages", add_bos=False), engine, "messages")
         job = _job(body, ids, body.max_completion_tokens or body.max_tokens, engine, stops,
                    (body.top_logprobs or 0) if body.logprobs else None)
-        return await _Run(engine, job, request, "chat.completion", name, tokenizer=tok).respond(body)
+        return await _Run(engine, job, request, "chat.completion", name).respond(body)
 
     return app
 
@@ -249,7 +250,7 @@ def _job(body, ids: list[int], max_tokens: int | None, engine: Engine, limits: t
         raise APIError(400, "this server has no tokenizer (--token-ids-only): 'stop' strings cannot be "
                             "matched", "stop")
     if max_tokens is not None and len(ids) + max_tokens - 1 > S:
-        field = "max_tokens" if max_tokens == body.max_tokens else "max_completion_tokens"
+        field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
         raise APIError(400, f"'{field}' is too large: the prompt ({len(ids)} tokens) plus {max_tokens} "
                             f"new tokens exceed the context capacity of {S} tokens (at most "
                             f"{S - len(ids) + 1} new tokens for this prompt)", field)
@@ -268,12 +269,11 @@ def _job(body, ids: list[int], max_tokens: int | None, engine: Engine, limits: t
 class _Run:
     """Submits one job and turns its events into an OpenAI response or an SSE stream."""
 
-    def __init__(self, engine: Engine, job: Job, request: Request, kind: str, model: str,
-                 echo: str = "", tokenizer=None):
+    def __init__(self, engine: Engine, job: Job, request: Request, kind: str, model: str, echo: str = ""):
         self.job, self.request, self.kind, self.model = job, request, kind, model
-        self.echo, self.tok = echo, tokenizer
+        self.echo, self.tok = echo, engine.tokenizer
         self.offset = len(echo)  # the text offset of the next token's logprobs (completions)
-        self.ids_only = _ids_only(tokenizer)
+        self.ids_only = _ids_only(self.tok)
         self.id = f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         loop = asyncio.get_running_loop()
@@ -339,8 +339,7 @@ class _Run:
                 if not get.done():
                     get.cancel()
                     self.job.cancel()
-                    e = APIError(499, "the client closed the connection")  # nobody reads it
-                    return JSONResponse(e.body(), status_code=499)
+                    return APIError(499, "the client closed the connection").response()  # nobody reads it
                 ev = get.result()
                 parts.append(ev.text)
                 lps += ev.logprobs or []
@@ -359,7 +358,7 @@ class _Run:
     async def stream(self, include_usage: bool):
         """OpenAI server-sent events: chunks, the usage chunk when asked, then [DONE]."""
         usage = None if include_usage else False
-        sse = lambda obj: f"data: {_json(obj)}\n\n"
+        sse = lambda obj: f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
         finish = None
         try:
             first = self.kind.startswith("chat")
@@ -387,7 +386,3 @@ class _Run:
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _json(obj) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))

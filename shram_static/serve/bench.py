@@ -18,9 +18,6 @@ class _IdText:
 
     eos_token_id = bos_token_id = None
 
-    def __init__(self, tokenizer=None):
-        self.inner = tokenizer
-
     def decode(self, ids) -> str:
         return "".join(f" {int(i)}" for i in ids)
 
@@ -98,15 +95,15 @@ async def _run(url: str, reqs: list[tuple[list[int], int]], concurrent: bool) ->
     step = lambda k: (d[f'shram_step_seconds_sum{{shape="{k}"}}']
                       / max(1, d[f'shram_step_seconds_count{{shape="{k}"}}']))
     itl = [b - a for r in res for a, b in zip(r["times"], r["times"][1:])]
+    ttft = [r["times"][0] - r["start"] for r in res]
     return {"tokens": toks, "wall_s": wall, "tokens_per_s": toks / wall,
-            "ttft_ms_p50": 1e3 * _pct([r["times"][0] - r["start"] for r in res], 0.5),
-            "ttft_ms_p99": 1e3 * _pct([r["times"][0] - r["start"] for r in res], 0.99),
+            "ttft_ms_p50": 1e3 * _pct(ttft, 0.5), "ttft_ms_p99": 1e3 * _pct(ttft, 0.99),
             "itl_ms_p50": 1e3 * _pct(itl, 0.5), "itl_ms_p99": 1e3 * _pct(itl, 0.99),
             "occupancy": d["shram_busy_row_steps_total"] / max(1, d["shram_row_steps_total"]),
             "decode_step_ms": 1e3 * step("decode"), "prefill_step_ms": 1e3 * step("prefill")}
 
 
-def _serve_once(model, tok, args, batch_size: int, reqs, concurrent: bool) -> dict:
+def _serve_once(model, args, batch_size: int, reqs, concurrent: bool) -> dict:
     import torch
 
     from ..decoders import make_decoder
@@ -116,7 +113,7 @@ def _serve_once(model, tok, args, batch_size: int, reqs, concurrent: bool) -> di
 
     with contextlib.ExitStack() as stack:
         load = lambda: (make_decoder(model, args.backend, args.prefill_chunk, stack, None, None,
-                                     batch_size=batch_size), tok)
+                                     batch_size=batch_size), _IdText())
         info(f"server: {args.backend}, batch {batch_size}; loading"
              + (" and compiling" if args.backend == "compiled" else "") + " ...")
         app = create_app(Engine(load, max_queue=len(reqs) + 1), model_name="bench")
@@ -136,18 +133,16 @@ def bench_serve(args) -> int:
     from ..default_model import load_model_and_tokenizer
 
     (lo_p, hi_p), (lo_n, hi_n) = _span(args.prompt_tokens), _span(args.output_tokens)
-    if args.checkpoint is not None:
-        model, tok = load_model_and_tokenizer(args.checkpoint)
-    else:
-        model, tok = build_model(args.model), None
+    model = (build_model(args.model) if args.checkpoint is None
+             else load_model_and_tokenizer(args.checkpoint)[0])
     S, V = model.config.inference_sequence_length, model.config.vocab_size
     if hi_p + hi_n - 1 > S:
         raise ValueError(f"prompts up to {hi_p} plus outputs up to {hi_n} tokens exceed the capacity {S}")
     rng = random.Random(args.seed)
     reqs = [([rng.randrange(V) for _ in range(rng.randint(lo_p, hi_p))], rng.randint(lo_n, hi_n))
             for _ in range(args.clients)]
-    solo = _serve_once(model, _IdText(tok), args, 1, reqs, concurrent=False)
-    conc = _serve_once(model, _IdText(tok), args, args.batch_size, reqs, concurrent=True)
+    solo = _serve_once(model, args, 1, reqs, concurrent=False)
+    conc = _serve_once(model, args, args.batch_size, reqs, concurrent=True)
     target_itl = 2 * solo["decode_step_ms"] + solo["prefill_step_ms"]
     res = {"backend": args.backend, "batch_size": args.batch_size, "clients": args.clients,
            "prefill_chunk": args.prefill_chunk, "prompt_tokens": args.prompt_tokens,

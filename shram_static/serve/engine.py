@@ -3,7 +3,7 @@ rows serves one request, and each iteration runs ONE fixed-shape step (`HostDeco
 in one request's own work ends it alone; an error of the step fails them all (docs/serving.md)."""
 
 import collections
-import itertools
+import contextlib
 import secrets
 import threading
 import time
@@ -62,7 +62,6 @@ class Job:
     tokens: list[int] = field(default_factory=list)  # every sampled token (EOS included)
     t_submit: float = field(default_factory=time.perf_counter)
     t_last: float = 0.0  # when its latest token was sampled
-    seq: int = 0
 
     def cancel(self) -> None:
         """Asks the engine to drop this request (its row is freed before the next step)."""
@@ -72,10 +71,10 @@ class Job:
 class _Row:
     """A request in a row: prompt tokens fed, the next token to feed, its sampler and seen tokens."""
 
-    def __init__(self, job: Job, tokenizer, eos: int | None, vocab_size: int):
+    def __init__(self, job: Job, tokenizer, vocab_size: int):
         self.job, self.fed = job, 0
         self.next: int | None = None  # sampled, not yet fed
-        self.text = TextStream(tokenizer, job.stop, eos)
+        self.text = TextStream(tokenizer, job.stop, tokenizer.eos_token_id)
         self.sampler = Sampler(job.temperature, job.top_k, job.top_p, logit_bias=job.logit_bias,
                                presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,
                                repetition_penalty=job.repetition_penalty, vocab_size=vocab_size)
@@ -97,10 +96,7 @@ class Engine:
 
     def __init__(self, load: Callable, max_queue: int = 64, warmup: bool = True,
                  long_prompt: int | None = None):
-        self._load = load
-        self.max_queue = max_queue
-        self._long_prompt = long_prompt
-        self.warmup = warmup
+        self._load, self.max_queue, self.warmup, self._long_prompt = load, max_queue, warmup, long_prompt
         self.status = "loading"  # -> "compiling" -> "ready" (or "failed"), then "stopped"
         self.error: str | None = None
         self.decoder = self.tokenizer = None
@@ -109,7 +105,6 @@ class Engine:
         self._rows: list[_Row | None] = []
         self._cv = threading.Condition()
         self._stop = self._draining = False
-        self._seq = itertools.count()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="shram-static-engine", daemon=True)
 
@@ -145,21 +140,12 @@ class Engine:
         self.stop()
 
     @property
-    def long_prompt(self) -> int:
-        """Prompt tokens left from which a joining row gets prefill-shape steps (default: 4 chunks)."""
-        return self._long_prompt if self._long_prompt is not None else 4 * self.decoder.prefill_chunk
-
-    @property
     def started(self) -> bool:
         return self._thread.ident is not None
 
     @property
     def ready(self) -> bool:
         return self.status == "ready"
-
-    @property
-    def batch_size(self) -> int:
-        return self.decoder.batch_size
 
     @property
     def capacity(self) -> int:
@@ -191,7 +177,6 @@ class Engine:
                 self.metrics.observe_rejected()
                 raise QueueFull(f"every row is busy and {self.max_queue} requests wait for one already "
                                 f"(--max-queue)")
-            job.seq = next(self._seq)
             self._pending.append(job)
             self._cv.notify()
         return job
@@ -250,8 +235,7 @@ class Engine:
             while self._pending and None in rows:
                 job = self._pending.popleft()
                 try:
-                    row = _Row(job, self.tokenizer, self.tokenizer.eos_token_id,
-                               self.decoder.config.vocab_size)
+                    row = _Row(job, self.tokenizer, self.decoder.config.vocab_size)
                 except Exception as e:  # this request's own settings: it alone ends
                     self._end(job, "error", error=f"{type(e).__name__}: {e}")
                     continue
@@ -269,19 +253,18 @@ class Engine:
         running = [b for b, r in enumerate(rows) if r is not None and r.next is not None]
         joining = [b for b, r in enumerate(rows) if r is not None and r.next is None]
         left = [len(rows[j].job.prompt) - rows[j].fed for j in joining]
+        long = self._long_prompt if self._long_prompt is not None else 4 * C
         # prefill shape when no row decodes (it stalls nobody) or for a long prompt, else a token a step
-        W = C if joining and (not running or max(left) >= self.long_prompt) else 1
+        W = C if joining and (not running or max(left) >= long) else 1
         ids = torch.zeros(B, W, dtype=torch.long)
         live = torch.zeros(B, W, dtype=torch.bool)
         for b in running:
             ids[b, 0], live[b, 0] = rows[b].next, True
         # every joining row's next chunk rides in the same step: all B x W tokens are computed anyway
-        chunks = {}
-        for j in joining:
-            r = rows[j]
-            chunks[j] = r.job.prompt[r.fed:r.fed + W]
-            ids[j, :len(chunks[j])] = torch.tensor(chunks[j])
-            live[j, :len(chunks[j])] = True
+        chunks = {j: rows[j].job.prompt[rows[j].fed:rows[j].fed + W] for j in joining}
+        for j, chunk in chunks.items():
+            ids[j, :len(chunk)] = torch.tensor(chunk)
+            live[j, :len(chunk)] = True
         t0 = time.perf_counter()
         # (B, 1, V) at each row's last live token; any other error leaves the state unknown: `_main` ends all
         bad = {}
@@ -348,7 +331,5 @@ class Engine:
 
     def _end(self, job: Job, reason: str, text: str = "", tokens=None, lp=None, error=None) -> None:
         self.metrics.observe_finish(reason, time.perf_counter() - job.t_submit)
-        try:
+        with contextlib.suppress(Exception):  # a sink whose client is gone: nothing left to tell
             job.sink(Event(text, tokens or [], lp, reason, error))
-        except Exception:  # a sink whose client is gone: nothing left to tell
-            pass

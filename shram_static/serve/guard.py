@@ -5,8 +5,6 @@ object, and is counted (`Guard`, outermost); `BearerAuth` checks the API key on 
 import logging
 import secrets
 
-from fastapi.responses import JSONResponse
-
 from .limits import MAX_BODY_BYTES
 from .schema import APIError
 
@@ -39,10 +37,13 @@ class Guard:
                     self.metrics.observe_http_error(message["status"])
             await send(message)
 
+        async def error(e: APIError) -> None:
+            await e.response()(scope, receive, counted_send)
+
         headers = dict(scope["headers"])
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_body_bytes:
-            await self._error(scope, receive, counted_send, self._too_large())
+            await error(self._too_large())
             return
         ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if scope["method"] == "POST" and not ctype:
@@ -50,9 +51,8 @@ class Guard:
             scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
                      + [(b"content-type", b"application/json")]}
         elif scope["method"] == "POST" and ctype != b"application/json" and not ctype.endswith(b"+json"):
-            await self._error(scope, receive, counted_send, APIError(
-                415, f"the request body must be JSON (Content-Type: application/json), got "
-                     f"{ctype.decode('latin-1')!r}", type_="invalid_request_error", code="unsupported_media_type"))
+            await error(APIError(415, f"the request body must be JSON (Content-Type: application/json), got "
+                                      f"{ctype.decode('latin-1')!r}", code="unsupported_media_type"))
             return
         # read whole up to the limit (a chunked body has no Content-Length), handed on as one message
         body, more = [], True
@@ -63,32 +63,23 @@ class Guard:
             body.append(message.get("body", b""))
             more = message.get("more_body", False)
             if sum(map(len, body)) > self.max_body_bytes:
-                await self._error(scope, receive, counted_send, self._too_large())
+                await error(self._too_large())
                 return
-        first = {"type": "http.request", "body": b"".join(body), "more_body": False}
+        whole = [{"type": "http.request", "body": b"".join(body), "more_body": False}]
 
         async def replay():
-            nonlocal first
-            if first is None:
-                return await receive()
-            message, first = first, None
-            return message
+            return whole.pop() if whole else await receive()
 
         try:
             await self.app(scope, replay, counted_send)
         except Exception as e:  # a bug: the client still gets an error object, the log a traceback
             log.exception("unhandled error serving %s %s", scope["method"], scope["path"])
             if not started:
-                await self._error(scope, receive, counted_send, APIError(
-                    500, f"internal server error: {type(e).__name__}", type_="server_error"))
+                await error(APIError(500, f"internal server error: {type(e).__name__}", type_="server_error"))
 
     def _too_large(self) -> APIError:
-        return APIError(413, f"the request body is larger than {self.max_body_bytes} bytes (--max-body-bytes)",
-                        code="request_too_large")
-
-    @staticmethod
-    async def _error(scope, receive, send, e: APIError) -> None:
-        await JSONResponse(e.body(), e.status, headers=e.headers)(scope, receive, send)
+        return APIError(413, f"the request body is larger than {self.max_body_bytes} bytes "
+                             f"(--max-body-bytes)", code="request_too_large")
 
 
 class BearerAuth:
@@ -103,8 +94,7 @@ class BearerAuth:
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(got, self.key):
                 e = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                             type_="invalid_request_error", code="invalid_api_key",
-                             headers={"WWW-Authenticate": "Bearer"})
-                await JSONResponse(e.body(), 401, headers=e.headers)(scope, receive, send)
+                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await e.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -1,6 +1,8 @@
 """The `logprobs` objects of OpenAI's responses, of the model's raw logits (before bias, penalties and
 temperature, as vLLM); a token's text is its decoded text alone (U+FFFD for part of a character)."""
 
+import itertools
+
 __all__ = ["chat_logprobs", "completion_logprobs"]
 
 
@@ -18,10 +20,7 @@ def completion_logprobs(tokenizer, tokens: list[int], lps: list, offset: int) ->
         `top_logprobs` entry holds the sampled token too, as OpenAI's legacy completions.
     """
     texts = [tokenizer.decode([i]) for i in tokens]
-    offsets = []
-    for t in texts:
-        offsets.append(offset)
-        offset += len(t)
+    offsets = list(itertools.accumulate(map(len, texts), initial=offset))
     # as OpenAI: the top tokens, and the sampled one if not among them; one text keeps its largest logprob
     tops = []
     for text, (c, top) in zip(texts, lps):
@@ -30,7 +29,7 @@ def completion_logprobs(tokenizer, tokens: list[int], lps: list, offset: int) ->
             tops[-1].setdefault(tokenizer.decode([i]), v)
         tops[-1].setdefault(text, c)
     return {"tokens": texts, "token_logprobs": [c for c, _ in lps], "top_logprobs": tops,
-            "text_offset": offsets}, offset
+            "text_offset": offsets[:-1]}, offsets[-1]
 
 
 def chat_logprobs(tokenizer, tokens: list[int], lps: list) -> dict:

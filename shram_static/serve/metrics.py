@@ -2,9 +2,7 @@
 labelled with the served model's name."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 # Bucket bounds in seconds, from a small model's decode step to a long request
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -21,58 +19,54 @@ class Metrics:
     """
 
     def __init__(self, model: str = ""):
-        r = self.registry = CollectorRegistry()
-        m = ["model"]
-        self.requests = Counter("shram_requests", "Requests finished, by finish_reason.",
-                                m + ["finish_reason"], registry=r)
-        self.rejected = Counter("shram_requests_rejected", "Requests refused with 429 (queue full).", m,
-                                registry=r)
-        self.invalid = Counter("shram_requests_invalid", "Requests refused with 400 (bad input).", m,
-                               registry=r)
-        self.http_errors = Counter("shram_http_errors", "Responses that were not a success, by status.",
-                                   m + ["status"], registry=r)
-        self.prompt_tokens = Counter("shram_prompt_tokens", "Prompt tokens prefilled.", m, registry=r)
-        self.generation_tokens = Counter("shram_generation_tokens", "Tokens generated.", m, registry=r)
-        self.queue_depth = Gauge("shram_queue_depth", "Requests waiting for a row.", m, registry=r)
-        self.busy_rows = Gauge("shram_busy_rows", "Rows serving a request.", m, registry=r)
-        self.batch_rows = Gauge("shram_batch_rows", "Rows of the decoder (batch size).", m, registry=r)
-        self.row_steps = Counter("shram_row_steps", "Rows stepped (steps x batch size).", m, registry=r)
-        self.busy_row_steps = Counter("shram_busy_row_steps", "Rows stepped while serving a request.", m,
-                                      registry=r)
-        self.step_seconds = Summary("shram_step_seconds", "Time of the fixed-shape steps, by shape.",
-                                    m + ["shape"], registry=r)
-        self.ttft = Histogram("shram_time_to_first_token_seconds", "From a request's arrival to its first token.",
-                              m, buckets=FIRST_TOKEN_BUCKETS, registry=r)
-        self.itl = Histogram("shram_inter_token_latency_seconds", "Between two tokens of one request.", m,
-                             buckets=TOKEN_BUCKETS, registry=r)
-        self.latency = Histogram("shram_request_latency_seconds", "From a request's arrival to its end.", m,
-                                 buckets=REQUEST_BUCKETS, registry=r)
-        self.queue_wait = Histogram("shram_queue_wait_seconds", "From a request's arrival to getting a row.", m,
-                                    buckets=QUEUE_BUCKETS, registry=r)
+        self.registry = CollectorRegistry()
+        self._metrics = []
+
+        def add(kind, name: str, doc: str, *labels: str, **kw):
+            metric = kind(name, doc, ["model", *labels], registry=self.registry, **kw)
+            self._metrics.append(metric)
+            return metric
+
+        self.requests = add(Counter, "shram_requests", "Requests finished, by finish_reason.",
+                            "finish_reason")
+        self.rejected = add(Counter, "shram_requests_rejected", "Requests refused with 429 (queue full).")
+        self.invalid = add(Counter, "shram_requests_invalid", "Requests refused with 400 (bad input).")
+        self.http_errors = add(Counter, "shram_http_errors", "Responses that were not a success, by status.",
+                               "status")
+        self.prompt_tokens = add(Counter, "shram_prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = add(Counter, "shram_generation_tokens", "Tokens generated.")
+        self.queue_depth = add(Gauge, "shram_queue_depth", "Requests waiting for a row.")
+        self.busy_rows = add(Gauge, "shram_busy_rows", "Rows serving a request.")
+        self.batch_rows = add(Gauge, "shram_batch_rows", "Rows of the decoder (batch size).")
+        self.row_steps = add(Counter, "shram_row_steps", "Rows stepped (steps x batch size).")
+        self.busy_row_steps = add(Counter, "shram_busy_row_steps", "Rows stepped while serving a request.")
+        self.step_seconds = add(Summary, "shram_step_seconds", "Time of the fixed-shape steps, by shape.",
+                                "shape")
+        self.ttft = add(Histogram, "shram_time_to_first_token_seconds",
+                        "From a request's arrival to its first token.", buckets=FIRST_TOKEN_BUCKETS)
+        self.itl = add(Histogram, "shram_inter_token_latency_seconds", "Between two tokens of one request.",
+                       buckets=TOKEN_BUCKETS)
+        self.latency = add(Histogram, "shram_request_latency_seconds", "From a request's arrival to its end.",
+                           buckets=REQUEST_BUCKETS)
+        self.queue_wait = add(Histogram, "shram_queue_wait_seconds",
+                              "From a request's arrival to getting a row.", buckets=QUEUE_BUCKETS)
         self.set_model(model)
 
     def set_model(self, model: str) -> None:
         """Names the served model (the `model` label of every series)."""
         self.model = model
-        for metric in self._all():  # no series of another name left behind
+        for metric in self._metrics:  # no series of another name left behind
             metric.clear()
         for reason in FINISH_REASONS:  # every reason shows, 0 until it happens
             self.requests.labels(model, reason)
-        for shape in ("decode", "prefill"):
-            self.step_seconds.labels(model, shape)
-        for metric in self._all():
+        for metric in self._metrics:
             if metric not in (self.requests, self.step_seconds, self.http_errors):
                 metric.labels(model)
         # the children written after every step and token, looked up once
-        self._tokens, self._ttft, self._itl = (m.labels(model) for m in (self.generation_tokens, self.ttft, self.itl))
+        self._tokens, self._ttft, self._itl, self._busy, self._rows, self._busy_rows = (
+            m.labels(model) for m in (self.generation_tokens, self.ttft, self.itl, self.busy_rows,
+                                      self.row_steps, self.busy_row_steps))
         self._steps = {k: self.step_seconds.labels(model, k) for k in ("decode", "prefill")}
-        self._busy, self._rows, self._busy_rows = (m.labels(model) for m in (self.busy_rows, self.row_steps,
-                                                                            self.busy_row_steps))
-
-    def _all(self) -> list:
-        return [self.requests, self.rejected, self.invalid, self.http_errors, self.prompt_tokens,
-                self.generation_tokens, self.queue_depth, self.busy_rows, self.batch_rows, self.row_steps,
-                self.busy_row_steps, self.step_seconds, self.ttft, self.itl, self.latency, self.queue_wait]
 
     def observe_step(self, kind: str, seconds: float, busy: int, batch_size: int) -> None:
         """Records one step of `kind` ("decode" / "prefill") with `busy` of `batch_size` rows in use."""
@@ -112,7 +106,7 @@ class Metrics:
         return 0.0 if v is None else v
 
     def render(self, queue_depth: int, busy_rows: int, batch_size: int) -> bytes:
-        """The Prometheus text exposition (`CONTENT_TYPE`), with the gauges set to the given values."""
+        """The Prometheus text exposition (`CONTENT_TYPE_LATEST`), with the gauges set to the given values."""
         self.queue_depth.labels(self.model).set(queue_depth)
         self.busy_rows.labels(self.model).set(busy_rows)
         self.batch_rows.labels(self.model).set(batch_size)

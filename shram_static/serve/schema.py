@@ -3,6 +3,7 @@ honoured or refused (only the values served are admitted); unknown fields are re
 
 from typing import Annotated, Literal
 
+from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from ..sampling import BIAS_LIMIT, PENALTY_LIMIT
@@ -28,6 +29,9 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), self.status, headers=self.headers)
 
 
 # OpenAI request fields taken only in the values served: what a refused value gets told
