@@ -69,17 +69,19 @@ def attend_gathered(qs: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, head: 
     """Sparse attention of a few tokens per row, each token's K expert caches gathered.
 
     Args:
-        qs: (B, C, K, u) queries at the selected experts; sk, sv: (B*L, P, u) the first P slots
-            of every (row, expert) cache, written; head, slot: (B, C, K) each query's (row,
-            expert) cache and the last slot it sees; slots: (P,) float32 (`slot_bias`); scale.
+        qs: (B, C, K, u) queries at the selected experts; sk, sv: (B*L, S, u) every (row,
+            expert) cache, written, S >= P; head, slot: (B, C, K) each query's (row, expert)
+            cache and the last slot it sees; slots: (P,) float32 (`slot_bias`); scale.
 
     Returns:
         (B, C, K, u); every query sees slot 0 of its expert, so no `seen` multiplier.
     """
     B, C, K, u = qs.shape
-    P = slots.shape[0]
-    hsel = head.reshape(-1)
-    kc, vc = (c.index_select(0, hsel).view(B, C, K, P, u) for c in (sk, sv))
+    P, S = slots.shape[0], sk.shape[1]
+    # WHY one gather of just the rows read (each cache's first P slots): in onnxruntime and
+    # ExecuTorch a slice of the caches and a gather are each a copy, the slice of all L caches
+    rows = (head.reshape(-1, 1) * S + torch.arange(P, device=head.device)).reshape(-1)  # (B*C*K*P,)
+    kc, vc = (c.reshape(-1, u).index_select(0, rows).view(B, C, K, P, u) for c in (sk, sv))
     bias = slot_bias(slot[..., None], slots, qs.dtype)[..., None, :]  # (B, C, K, 1, P)
     return masked_attention(qs[..., None, :], kc, vc, bias, scale)[..., 0, :]
 

@@ -228,15 +228,15 @@ class MoSRAH(nn.Module):
         sparse_k = write_rows(sparse_k, rows, ks.reshape(-1, u), mode.inplace)
         sparse_v = write_rows(sparse_v, rows, vs.reshape(-1, u), mode.inplace)
         scale = ctx.rope.sparse_factor / math.sqrt(u)
-        # the first P slots of each cache (`StepContext.slots`); not sliced in an export of the
-        # whole cache (a copy in ExecuTorch), and no test of P under Dynamo (a dynamic size)
-        n = ctx.slots.shape[0]
         kc, vc = (c.view(B * L, T + 1, u) for c in (sparse_k, sparse_v))
-        if not torch.compiler.is_exporting() or n < T + 1:
-            kc, vc = kc[:, :n], vc[:, :n]
-        if mode.per_token:
+        if mode.per_token:  # gathers the first P slots of its K caches itself
             ys = attend_gathered(qs, kc, vc, head, slot, ctx.slots, scale)
         else:
+            # the first P slots of each cache (`StepContext.slots`); not sliced in an export of the
+            # whole cache (a copy in ExecuTorch), and no test of P under Dynamo (a dynamic size)
+            n = ctx.slots.shape[0]
+            if not torch.compiler.is_exporting() or n < T + 1:
+                kc, vc = kc[:, :n], vc[:, :n]
             ys = attend_by_expert(qs, kc, vc, hot, held, ctx.slots, scale)
         return self.bea.output(ys, P, pick), routes, sparse_k, sparse_v
 

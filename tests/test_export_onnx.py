@@ -72,14 +72,14 @@ def test_golden_logits_and_greedy(name, tmp_path):
         load_onnx(paths["decode"])
 
 
-def cache_gathers(path) -> list[str]:
-    """Gather nodes of a graph whose data is a whole sparse cache (a view of a `past.*sparse_*`
-    input, as many elements): each copies its picked caches on every call."""
+def cache_copies(path, op: str = "Gather") -> list[str]:
+    """`op` nodes of a graph whose data is a whole sparse cache, (experts, slots, u) (a view of a
+    `past.*sparse_*` input, as many elements): each copies its caches on every call."""
     m = onnx.shape_inference.infer_shapes(onnx.load(path, load_external_data=False))
     shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
               for v in list(m.graph.value_info) + list(m.graph.input)}
     sizes = {int(np.prod(shapes[i.name])) for i in m.graph.input if ".sparse_" in i.name}
-    return [n.name for n in m.graph.node if n.op_type == "Gather" and len(shapes.get(n.input[0], [])) > 2
+    return [n.name for n in m.graph.node if n.op_type == op and len(shapes.get(n.input[0], [])) > 2
             and int(np.prod(shapes[n.input[0]])) in sizes]
 
 
@@ -109,7 +109,9 @@ def test_last_token_prefill_and_verify_graphs(tmp_path, monkeypatch):
                         prefix_lengths=(4, 8))
     assert sorted(paths) == ["data", "decode", "prefill", "verify"]
     for role in ("prefill", "verify"):
-        assert not cache_gathers(paths[role]), role
+        assert not cache_copies(paths[role]), role
+    # decode gathers the rows it reads: no slice copies every expert's cache prefix
+    assert not cache_copies(paths["decode"], "Slice")
     for role in ("decode", "prefill", "verify"):
         m = onnx.load(paths[role], load_external_data=False)
         slots = [i for i in m.graph.input if i.name == "slots"]
