@@ -1,9 +1,10 @@
 """One linear layer in onnxruntime-web's WASM (Node, one thread): float MatMul, int8
 DynamicQuantizeMatMul and 4-bit MatMulNBits at one row, the kernels a quantized page could run.
 
-    python benchmarks/web_linears.py [--shapes 512x1536,512x50277] [--runs 200]
+    python benchmarks/web_linears.py [--shapes 512x1536,512x50277] [--runs 100] [--rounds 6]
 
-Needs `npm ci` (onnxruntime-web). Prints microseconds per call for each kernel and shape.
+Needs `npm ci` (onnxruntime-web). Prints each kernel's median microseconds per call over rounds
+that alternate between the kernels.
 """
 
 import argparse
@@ -20,16 +21,26 @@ RUNNER = """
 import * as ort from "%s";
 import fs from "fs";
 ort.env.wasm.numThreads = 1;
-const [dir, runs, ...names] = process.argv.slice(2);
+const [dir, runs, rounds, ...names] = process.argv.slice(2);
+const runners = [];
 for (const name of names) {
   const s = await ort.InferenceSession.create(fs.readFileSync(`${dir}/${name}.onnx`),
       {executionProviders: ["wasm"]});
   const k = Number(name.split("_")[1].split("x")[0]);
   const x = new ort.Tensor("float32", Float32Array.from({length: k}, (_, i) => Math.sin(i)), [1, k]);
   for (let i = 0; i < 20; i++) await s.run({x});
-  const t0 = performance.now();
-  for (let i = 0; i < Number(runs); i++) await s.run({x});
-  console.log(`${name}\\t${((performance.now() - t0) / Number(runs) * 1000).toFixed(1)} us`);
+  runners.push({name, s, x, us: []});
+}
+for (let r = 0; r < Number(rounds); r++) {  // interleaved: memory bandwidth drifts between runs
+  for (const m of (r %% 2 ? [...runners].reverse() : runners)) {
+    const t0 = performance.now();
+    for (let i = 0; i < Number(runs); i++) await m.s.run({x: m.x});
+    m.us.push((performance.now() - t0) / Number(runs) * 1000);
+  }
+}
+for (const m of runners) {
+  const us = [...m.us].sort((a, b) => a - b);
+  console.log(`${m.name}\tmedian ${us[us.length >> 1].toFixed(1)} us\t(${m.us.map(v => v.toFixed(0)).join(" ")})`);
 }
 """
 
@@ -58,7 +69,8 @@ def linear_model(kind: str, k: int, n: int) -> onnx.ModelProto:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="512x1536,512x50277")
-    p.add_argument("--runs", type=int, default=200)
+    p.add_argument("--runs", type=int, default=100, help="calls per round")
+    p.add_argument("--rounds", type=int, default=6)
     a = p.parse_args()
     ort_web = os.path.join(ROOT, "node_modules", "onnxruntime-web", "dist", "ort.node.min.mjs")
     with tempfile.TemporaryDirectory() as d:
@@ -70,7 +82,7 @@ def main() -> None:
                 onnx.save(linear_model(kind, k, n), os.path.join(d, names[-1] + ".onnx"))
         with open(os.path.join(d, "run.mjs"), "w") as f:
             f.write(RUNNER % ort_web)
-        subprocess.run(["node", os.path.join(d, "run.mjs"), d, str(a.runs), *names], check=True)
+        subprocess.run(["node", os.path.join(d, "run.mjs"), d, str(a.runs), str(a.rounds), *names], check=True)
 
 
 if __name__ == "__main__":
