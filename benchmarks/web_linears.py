@@ -58,11 +58,9 @@ def linear_model(kind: str, k: int, n: int) -> onnx.ModelProto:
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 10
-    if kind == "int4":
-        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-        q = MatMulNBitsQuantizer(model, block_size=32, is_symmetric=True, accuracy_level=4)
-        q.process()
-        model = q.model.model
+    if kind == "int4":  # as the package's int4 exports: MatMulNBits in blocks of 32
+        from shram_static.export.onnx_quantize import quantize_graph
+        model = quantize_graph(model, "int4")[0]
     return model
 
 

@@ -6,7 +6,7 @@ import contextlib
 import sys
 import time
 
-from .backends import BACKENDS
+from .backends import BACKENDS, find_backend
 from .console import info, positive_int
 
 
@@ -46,7 +46,8 @@ def generate(args) -> int:
         if args.draft is not None:  # the draft runs on the same backend
             info(f"loading the draft model {args.draft} ...")
             draft = load(load_model_and_tokenizer(args.draft)[0])
-        if args.backend.startswith("compiled"):  # compiled ahead, so the time below is generation's
+        # compiled ahead, so the time below is generation's
+        if find_backend(args.backend).runtime == "compiled":
             t0 = time.perf_counter()
             kinds = ("decode", "prefill_last") + (("verify",) if verify else ())
             for d in [dec] if draft is None else [dec, draft]:

@@ -161,14 +161,9 @@ class StaticDecoder(HostDecoder):
         Args:
             kinds: the kinds of step (`step_function`); "verify" only with a verify step.
         """
-        B = self.batch_size
-        widths = {"decode": 1, "prefill": self.prefill_chunk, "prefill_last": self.prefill_chunk,
-                  "verify": self.verify_len}
         if "verify" in kinds and self.verify_len is None:
             raise ValueError("warm_up('verify') needs a decoder built with verify_len")
-        bad = [k for k in kinds if k not in widths]
-        if bad:  # before any step runs or prints
-            raise ValueError(f"no {bad[0]!r} step to warm up here: the kinds are {tuple(widths)}")
+        B, widths = self.batch_size, self._warm_up_widths(kinds)
         # a depth whose prefix is the shortest, and one past ACC_CHUNK slots where there is one
         depths = [0] + [self.config.block_length * ACC_CHUNK] * (self.prefix_lengths[-1] > ACC_CHUNK)
         for kind in kinds:
@@ -177,6 +172,10 @@ class StaticDecoder(HostDecoder):
                 info(f"warming up the {kind} step" + f" (prefixes over {ACC_CHUNK} slots)" * (depth > 0))
                 self._run(torch.zeros(B, C, dtype=torch.long), torch.full((B,), depth),
                           torch.zeros(B, C, dtype=torch.bool), kind)
+
+    def _step_widths(self) -> dict[str, int]:
+        return {"decode": 1, "prefill": self.prefill_chunk, "prefill_last": self.prefill_chunk,
+                **({"verify": self.verify_len} if self.verify_len else {})}
 
     def _run_last(self, tokens, input_pos, live):
         return self._run(tokens, input_pos, live, "prefill_last")

@@ -13,7 +13,7 @@ from .config import ShramConfig
 from .errors import CapacityError, NonFiniteLogitsError
 from . import loops
 from .rows import RowCounts, canonical, last_live, padded_chunks
-from .validation import check_capacity, check_input_ids, check_mask
+from .validation import check_capacity, check_input_ids, check_mask, check_positive_ints
 
 __all__ = ["CapacityError", "HostDecoder"]
 
@@ -52,9 +52,7 @@ class HostDecoder:
 
     def __init__(self, config: ShramConfig, batch_size: int, prefill_chunk: int,
                  eos_token_id: int | None = None):
-        for name, v in (("batch_size", batch_size), ("prefill_chunk", prefill_chunk)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        check_positive_ints(batch_size=batch_size, prefill_chunk=prefill_chunk)
         self.config = config
         self.batch_size = batch_size
         self.prefill_chunk = prefill_chunk
@@ -270,14 +268,23 @@ class HostDecoder:
         Raises:
             ValueError: another kind.
         """
-        widths = {"decode": 1, "prefill_last": self.prefill_chunk}
-        bad = [k for k in kinds if k not in widths]
-        if bad:
-            raise ValueError(f"no {bad[0]!r} step to warm up here: the kinds are {tuple(widths)}")
+        widths = self._warm_up_widths(kinds)
         B = self.batch_size
         for kind in kinds:
             C = widths[kind]
             self.step(torch.zeros(B, C, dtype=torch.long), torch.zeros(B, C, dtype=torch.bool), last_only=True)
+
+    def _step_widths(self) -> dict[str, int]:
+        """Each kind of step this decoder runs -> its tokens per row."""
+        return {"decode": 1, "prefill_last": self.prefill_chunk}
+
+    def _warm_up_widths(self, kinds) -> dict[str, int]:
+        """`_step_widths`, after refusing any kind of `kinds` it lacks (before anything runs)."""
+        widths = self._step_widths()
+        bad = [k for k in kinds if k not in widths]
+        if bad:
+            raise ValueError(f"no {bad[0]!r} step to warm up here: the kinds are {tuple(widths)}")
+        return widths
 
     def step(self, input_ids: torch.Tensor, live: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
         """Runs one fixed-shape step (continuous batching): each row advances by its own live tokens.

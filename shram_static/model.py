@@ -126,6 +126,7 @@ class ShramForCausalLM(PreTrainedModel, ShramGenerationMixin):
         Args:
             input_ids: (B, N) token ids.
             attention_mask: (B, N) 1 for live tokens, 0 for dead ones (no-ops); default all live.
+                With a cache it covers the N new columns only.
             output_routing: also return the selected experts per layer (uncached only).
             cache: a `ShramCache` to append the N columns to; None: the uncached forward.
             use_cache, return_dict: accepted for transformers' generate(); ignored.

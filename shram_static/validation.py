@@ -11,6 +11,13 @@ from .errors import CapacityError
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
 
+def check_positive_ints(**named) -> None:
+    """Raises ValueError naming the first of `named` that is not an int >= 1 (a bool is not)."""
+    for name, v in named.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+
 def check_verify_len(verify_len) -> None:
     """Raises ValueError unless verify_len (tokens per row of a verify step) is an int >= 2 or None."""
     if verify_len is not None and (isinstance(verify_len, bool) or not isinstance(verify_len, int) or verify_len < 2):

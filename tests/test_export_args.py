@@ -40,4 +40,9 @@ def test_export_argument_errors(tmp_path):
             export_onnx(model, tmp_path / "x.onnx", verify_len=bad)
         with pytest.raises(ValueError, match="verify_len must be an int >= 2 or None"):
             StaticDecoder(model, verify_len=bad)
+    for bad in (True, 0, 1.0):  # one check for the exporters and the decoders (a bool is no size)
+        with pytest.raises(ValueError, match="batch_size must be a positive int"):
+            export_onnx(model, tmp_path / "x.onnx", batch_size=bad)
+        with pytest.raises(ValueError, match="batch_size must be a positive int"):
+            export_pte(model, tmp_path / "x.pte", batch_size=bad)
     assert not os.listdir(tmp_path)

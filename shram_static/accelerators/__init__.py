@@ -6,7 +6,7 @@ nor ExecuTorch (each name is imported when first used). The rest of the package 
 these names only, each wrapping a whole stage:
   * `set_stock`, `stock`, `enabled`, `check_versions`: the switches and the version check;
   * `prepare_compile(device_type)`: once, when a compiled step is built (nothing per call);
-  * `dynamic_length(t)`: once per compiled step, before its first call;
+  * `dynamic_length()`: once, when a decoder is built; `dynamic_length(t)`: once per compiled step;
   * `lowering()`: the block around ExecuTorch's `to_edge`/`to_backend`/`to_executorch` stages;
   * `export_and_lower(...)`: `torch.export.export` -> `to_edge_transform_and_lower`;
   * `run_jobs(...)`, `lower_in_parallel(...)`: independent jobs in forked processes;
@@ -41,15 +41,15 @@ def prepare_compile(device_type: str = "cpu") -> None:
 
 
 def dynamic_length(t=None) -> bool:
-    """Marks dim 0 of `t` (a compiled step's `slots`, before its first call) dynamic for Dynamo
-    (`maybe_`: Inductor's guards on it kept), so one graph serves every prefix length; with `t`
-    None only says whether it would. False where off: the caller keeps one length (the whole cache)."""
-    if not enabled("dynamic_prefix"):
-        return False
-    if t is not None:
-        import torch._dynamo
+    """With `t` None: whether compiled steps take the prefix length as a dynamic size, asked once,
+    when a decoder is built (False where off: it keeps one length, the whole cache). With `t` (a
+    compiled step's `slots`, before its first call, of a decoder built with several lengths):
+    marks its dim 0 dynamic for Dynamo (`maybe_`: Inductor's guards on it kept), as decided then."""
+    if t is None:
+        return enabled("dynamic_prefix")
+    import torch._dynamo
 
-        torch._dynamo.maybe_mark_dynamic(t, 0)
+    torch._dynamo.maybe_mark_dynamic(t, 0)
     return True
 
 

@@ -10,7 +10,7 @@ from torch import nn
 from ..config import ShramConfig
 from ..fast_layers import fuse_experts_
 from ..state import prefix_lengths
-from ..validation import check_verify_len
+from ..validation import check_positive_ints, check_verify_len
 
 PTE_FORMAT = "shram_static.pte/1"
 PTE_MAGIC = b"ET12"  # file_identifier of the ExecuTorch flatbuffer (bytes 4..8)
@@ -19,12 +19,13 @@ SLOTS_INPUT = "slots"  # (P,) float32 `slot_numbers(T)[:P]`: the sparse slots a 
 
 
 def check_export_args(cfg: ShramConfig, batch_size, prefill_chunk, eos_token_id, bos_token_id=None, *,
-                      parallel=False, full_logits=False, verify_len=None) -> None:
+                      parallel=False, full_logits=False, verify_len=None) -> tuple[int | None, int | None]:
     """Raises TypeError/ValueError on export arguments that cannot make a program (shared by
-    .pte/.onnx), before anything is traced."""
-    for name, n in (("batch_size", batch_size), ("prefill_chunk", prefill_chunk)):
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    .pte/.onnx), before anything is traced; returns (eos_token_id, bos_token_id), the config's
+    where None."""
+    check_positive_ints(batch_size=batch_size, prefill_chunk=prefill_chunk)
+    eos_token_id = getattr(cfg, "eos_token_id", None) if eos_token_id is None else eos_token_id
+    bos_token_id = getattr(cfg, "bos_token_id", None) if bos_token_id is None else bos_token_id
     for name, tid in (("eos_token_id", eos_token_id), ("bos_token_id", bos_token_id)):
         if tid is not None and not 0 <= int(tid) < cfg.vocab_size:
             raise ValueError(f"{name} {tid} is outside the vocabulary [0, {cfg.vocab_size})")
@@ -32,6 +33,7 @@ def check_export_args(cfg: ShramConfig, batch_size, prefill_chunk, eos_token_id,
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
     check_verify_len(verify_len)
+    return eos_token_id, bos_token_id
 
 
 def export_copy(model: nn.Module) -> nn.Module:

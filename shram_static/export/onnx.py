@@ -126,9 +126,8 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
     """
     cfg: ShramConfig = model.config
     C = 1 if prefill_chunk is None else prefill_chunk
-    eos_token_id = getattr(cfg, "eos_token_id", None) if eos_token_id is None else eos_token_id
-    check_export_args(cfg, batch_size, C, eos_token_id, parallel=parallel, full_logits=full_logits,
-                      verify_len=verify_len)
+    eos_token_id, _ = check_export_args(cfg, batch_size, C, eos_token_id, parallel=parallel,
+                                        full_logits=full_logits, verify_len=verify_len)
     check_onnx_quantize(quantize)
     lengths = export_prefix_lengths(cfg, prefix_lengths)
     if quantize_embedding and quantize != "int4":

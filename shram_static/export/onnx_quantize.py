@@ -12,7 +12,7 @@ from ..console import quiet_loggers
 ONNX_QUANTIZE_MODES = quantize_modes("onnx")  # the `onnx-*` backends' modes
 BLOCK = 32  # inputs per scale: q4_0's and q8_0's block (accuracy against MatMulNBits' default of 128)
 # WHY accuracy_level 4: int8 activations per block and int8 dot products (MLAS with VNNI); the
-# default level's fp32-compute 8-bit path is far slower than the fp32 graph (TOOLCHAIN_NOTES.md).
+# default level's fp32-compute 8-bit path is far slower than the fp32 graph itself.
 ACCURACY_LEVEL = 4
 
 

@@ -18,7 +18,6 @@ from torch import nn
 from .. import accelerators
 from ..config import ShramConfig
 from ..console import without_leafspec_notice, without_mutable_buffer_notice
-from ..errors import ExportFormatError  # noqa: F401 (importable from here too)
 from ..state import StaticState, slot_numbers
 from ..step import StepModule
 from .common import PTE_FORMAT, check_export_args, export_copy, export_prefix_lengths
@@ -98,11 +97,9 @@ def lower_program(model, batch_size: int = 1, prefill_chunk: int | None = 32, qu
         raise TypeError(f"quantize_embedding must be a bool, got {quantize_embedding!r}")
     if quantize_embedding and quantize is None:
         raise ValueError("quantize_embedding applies with quantize='int8' or '8da4w'")
-    eos_token_id = getattr(cfg, "eos_token_id", None) if eos_token_id is None else eos_token_id
-    bos_token_id = getattr(cfg, "bos_token_id", None) if bos_token_id is None else bos_token_id
     B, C = batch_size, 1 if prefill_chunk is None else prefill_chunk
-    check_export_args(cfg, B, C, eos_token_id, bos_token_id, parallel=parallel, full_logits=full_logits,
-                      verify_len=verify_len)
+    eos_token_id, bos_token_id = check_export_args(cfg, B, C, eos_token_id, bos_token_id, parallel=parallel,
+                                                   full_logits=full_logits, verify_len=verify_len)
     lengths = export_prefix_lengths(cfg, prefix_lengths)
     if not isinstance(prefix_decode, bool):
         raise TypeError(f"prefix_decode must be a bool, got {prefix_decode!r}")

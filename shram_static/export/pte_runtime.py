@@ -101,7 +101,7 @@ class PteDecoder(HostDecoder):
             meta = {**meta, "decode_method": "decode"}
         self._batched = meta["decode_method"] != "forward"
         steps = {"decode": self._decode, "prefill": self._prefill, "verify": self._verify}
-        self._slots_methods = [m for name, m in steps.items() if m is not None and name in takes]
+        self._slots_methods = {id(m) for name, m in steps.items() if m is not None and name in takes}
         self._slots = PrefixSlots(config, meta["prefix_lengths"]) if self._slots_methods else None
 
     def _check_signature(self, method: str, tokens_shape, logits_shape) -> None:
@@ -137,7 +137,7 @@ class PteDecoder(HostDecoder):
 
     def _with_slots(self, method, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         args = [tokens, input_pos, live]
-        if any(method is m for m in self._slots_methods):
+        if id(method) in self._slots_methods:  # ids of this decoder's own methods, held as attributes
             args.append(self._slots(input_pos, tokens.shape[1]))
         return method.execute(args)[0]
 

@@ -73,12 +73,15 @@ def row_writes_graph(src: str, dst: str) -> str:
     from onnx import helper
 
     m = onnx.load(src, load_external_data=False)
+    def types(g):
+        return {v.name: v for v in [*g.value_info, *g.input, *g.output]}
+
     written = {n.input[i] for n in m.graph.node if n.op_type == "ScatterND" for i in (1, 2)}
-    if not written <= {v.name for v in [*m.graph.value_info, *m.graph.input, *m.graph.output]}:
+    if not written <= (typed := types(m.graph)).keys():
         m = onnx.shape_inference.infer_shapes(m)
+        typed = types(m.graph)
     g = m.graph
     made = {o: n for n in g.node for o in n.output}
-    typed = {v.name: v for v in [*g.value_info, *g.input, *g.output]}
     outputs = []
     for o in g.output:
         if not o.name.startswith("present."):

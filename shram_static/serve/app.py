@@ -180,8 +180,9 @@ def create_app(engine: Engine | None = None, *, checkpoint: str | None = None, b
         except Exception as e:  # jinja errors: a message the template cannot render
             raise APIError(400, f"the chat template could not render 'messages': {e}", "messages") from e
         ids = _check_ids(_encode(tok, text, "messages", add_bos=False), engine, "messages")
-        job = _job(body, ids, body.max_completion_tokens or body.max_tokens, engine, stops,
-                   (body.top_logprobs or 0) if body.logprobs else None)
+        field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"  # which one counts
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        job = _job(body, ids, getattr(body, field), engine, stops, logprobs, field)
         return await _Run(engine, job, request, "chat.completion", name).respond(body)
 
     return app
@@ -239,7 +240,7 @@ def _check_ids(ids: list[int], engine: Engine, param: str) -> list[int]:
 
 
 def _job(body, ids: list[int], max_tokens: int | None, engine: Engine, limits: tuple[int, int],
-         logprobs: int | None) -> Job:
+         logprobs: int | None, field: str = "max_tokens") -> Job:
     S, V = engine.capacity, engine.decoder.config.vocab_size
     stop, (most, longest) = body.stops(), limits
     if len(stop) > most:
@@ -250,7 +251,6 @@ def _job(body, ids: list[int], max_tokens: int | None, engine: Engine, limits: t
         raise APIError(400, "this server has no tokenizer (--token-ids-only): 'stop' strings cannot be "
                             "matched", "stop")
     if max_tokens is not None and len(ids) + max_tokens - 1 > S:
-        field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
         raise APIError(400, f"'{field}' is too large: the prompt ({len(ids)} tokens) plus {max_tokens} "
                             f"new tokens exceed the context capacity of {S} tokens (at most "
                             f"{S - len(ids) + 1} new tokens for this prompt)", field)

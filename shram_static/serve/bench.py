@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+from ..backends import find_backend
 from ..console import info
 
 
@@ -115,7 +116,7 @@ def _serve_once(model, args, batch_size: int, reqs, concurrent: bool) -> dict:
         load = lambda: (make_decoder(model, args.backend, args.prefill_chunk, stack, None, None,
                                      batch_size=batch_size), _IdText())
         info(f"server: {args.backend}, batch {batch_size}; loading"
-             + (" and compiling" if args.backend == "compiled" else "") + " ...")
+             + (" and compiling" if find_backend(args.backend).runtime == "compiled" else "") + " ...")
         app = create_app(Engine(load, max_queue=len(reqs) + 1), model_name="bench")
         with torch.no_grad(), ServerThread(app) as url:
             # the clients run in a process of their own: here they would take the GIL from the steps
@@ -130,11 +131,9 @@ def _serve_once(model, args, batch_size: int, reqs, concurrent: bool) -> dict:
 def bench_serve(args) -> int:
     """The `bench-serve` subcommand."""
     from ..bench import build_model
-    from ..default_model import load_model_and_tokenizer
 
     (lo_p, hi_p), (lo_n, hi_n) = _span(args.prompt_tokens), _span(args.output_tokens)
-    model = (build_model(args.model) if args.checkpoint is None
-             else load_model_and_tokenizer(args.checkpoint)[0])
+    model = build_model(args.model if args.checkpoint is None else args.checkpoint)  # sends token ids only
     S, V = model.config.inference_sequence_length, model.config.vocab_size
     if hi_p + hi_n - 1 > S:
         raise ValueError(f"prompts up to {hi_p} plus outputs up to {hi_n} tokens exceed the capacity {S}")

@@ -5,7 +5,7 @@ import os
 import signal
 import sys
 
-from ..backends import BACKENDS
+from ..backends import BACKENDS, find_backend
 from ..console import positive_int
 from .limits import MAX_BODY_BYTES, MAX_STOP, MAX_STOP_CHARS
 
@@ -27,7 +27,7 @@ def serve(args) -> int:
                      max_stop_chars=args.max_stop_chars, token_ids_only=args.token_ids_only)
     info(f"serving {app.state.model_name} ({args.backend}, {args.batch_size} rows) on "
          f"http://{args.host}:{args.port}/v1; GET /health is 503 until the model is loaded"
-         + (" and compiled" if args.backend == "compiled" else ""))
+         + (" and compiled" if find_backend(args.backend).runtime == "compiled" else ""))
     server = make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level)
     # WHY: after a clean shutdown uvicorn raises the signal again under the previous handler;
     # SIGTERM's default would exit with status 143, which a supervisor reads as a crash.

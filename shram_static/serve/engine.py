@@ -188,6 +188,8 @@ class Engine:
                 self.status = "compiling"
                 self.decoder.warm_up(("decode", "prefill_last"))  # dead tokens only: no row changes
             self._rows = [None] * self.decoder.batch_size
+            if self._long_prompt is None:
+                self._long_prompt = 4 * self.decoder.prefill_chunk
             self.status = "ready"
         except Exception as e:  # reported by /health until the server exits
             self._fail(f"the model could not be loaded: {type(e).__name__}: {e}")
@@ -253,9 +255,8 @@ class Engine:
         running = [b for b, r in enumerate(rows) if r is not None and r.next is not None]
         joining = [b for b, r in enumerate(rows) if r is not None and r.next is None]
         left = [len(rows[j].job.prompt) - rows[j].fed for j in joining]
-        long = self._long_prompt if self._long_prompt is not None else 4 * C
         # prefill shape when no row decodes (it stalls nobody) or for a long prompt, else a token a step
-        W = C if joining and (not running or max(left) >= long) else 1
+        W = C if joining and (not running or max(left) >= self._long_prompt) else 1
         ids = torch.zeros(B, W, dtype=torch.long)
         live = torch.zeros(B, W, dtype=torch.bool)
         for b in running:
