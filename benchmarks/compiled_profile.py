@@ -9,6 +9,7 @@ its C++ kernels' time against the floor (the bytes a step reads over the memory 
 measured right after).
 
     python benchmarks/compiled_profile.py [--model bench|builtin|DIR] [--batch-sizes 1 4] [--verify K]
+        [--quantize int8|int4]
 """
 
 import argparse
@@ -18,12 +19,14 @@ import time
 import torch
 
 
-def profile(model, batch_size: int, context: int, steps: int, top: int, verify: int = 0) -> None:
+def profile(model, batch_size: int, context: int, steps: int, top: int, verify: int = 0,
+            quantize: str | None = None) -> None:
     """Prints the warm-up time, ms per step under the profiler, and the top entries."""
     from shram_static import StaticDecoder
 
     V, B = model.config.vocab_size, batch_size
-    dec = StaticDecoder(model, batch_size=B, prefill_chunk=32, compile=True, verify_len=verify + 1 if verify else None)
+    dec = StaticDecoder(model, batch_size=B, prefill_chunk=32, compile=True, verify_len=verify + 1 if verify else None,
+                        quantize=quantize)
     ids = torch.randint(0, V, (B, context + verify + 1), generator=torch.Generator().manual_seed(0))
 
     def one_step():
@@ -51,8 +54,8 @@ def profile(model, batch_size: int, context: int, steps: int, top: int, verify: 
     print(f"  self CPU ms/step total {sum(r[0] for r in rows):.2f}")
     if not verify:  # the decode step against its floor, the bandwidth read right after it
         from shram_static.bench.readings import decode_read_bytes, measure_bandwidth
-        floor = 1e3 * decode_read_bytes(model, B, 32) / measure_bandwidth()
-        kernels = sum(ms for ms, _, key in rows if "cpp_fused" in key)
+        floor = 1e3 * decode_read_bytes(model, B, 32, quantize) / measure_bandwidth()
+        kernels = sum(ms for ms, _, key in rows if "cpp_fused" in key or "shram_static::" in key)
         print(f"  floor {floor:.2f} ms: the step {wall / floor:.2f}x it, its C++ kernels ({kernels:.2f} ms) "
               f"{kernels / floor:.2f}x")
     for ms, n, key in rows[:top]:
@@ -68,13 +71,14 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=25, help="entries printed per batch size")
     p.add_argument("--verify", type=int, default=0, metavar="K",
                    help="profile the verify step of K + 1 tokens instead of the decode step")
+    p.add_argument("--quantize", choices=["int8", "int4"], help="the compiled-int8 / -int4 backend's layers")
     args = p.parse_args(argv)
     from shram_static.bench import build_model
 
     model = build_model(args.model).eval()
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
         for B in args.batch_sizes:
-            profile(model, B, args.context, args.steps, args.top, args.verify)
+            profile(model, B, args.context, args.steps, args.top, args.verify, args.quantize)
     return 0
 
 

@@ -7,7 +7,7 @@ prefills 64 tokens, times 12 decode steps and 6 verify steps of 5 tokens (each r
 then one `generate` (400 tokens on the built-in model, 40 on the bench model). Prints each
 figure's medians and new/old (above 1: the new checkout is slower).
 
-    python benchmarks/tree_ab.py OLD_DIR NEW_DIR [--model bench] [--rounds 8]
+    python benchmarks/tree_ab.py OLD_DIR NEW_DIR [--model bench] [--rounds 8] [--quantize int8|int4]
 """
 
 import argparse
@@ -19,7 +19,7 @@ import sys
 import time
 
 
-def worker(model_name: str) -> None:
+def worker(model_name: str, quantize: str = "") -> None:
     """The child: builds the decoder, says its warm-up, then times one round per stdin line."""
     import torch
 
@@ -27,7 +27,7 @@ def worker(model_name: str) -> None:
     from shram_static.bench import build_model
     torch.manual_seed(0)
     m = build_model(model_name).eval()
-    dec = StaticDecoder(m, batch_size=1, prefill_chunk=32, compile=True)
+    dec = StaticDecoder(m, batch_size=1, prefill_chunk=32, compile=True, quantize=quantize or None)
     ids = torch.randint(0, m.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0))
     t = time.perf_counter()
     dec.prefill(ids[:, :64], last_only=True)
@@ -64,11 +64,13 @@ def main(argv=None) -> int:
     ap.add_argument("new")
     ap.add_argument("--model", default="bench")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--quantize", choices=["int8", "int4"], default="", help="the compiled-int8 / -int4 layers")
     args = ap.parse_args(argv)
     ws = {}
     for side, tree in (("old", args.old), ("new", args.new)):
         env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
-        ws[side] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", args.model], env=env,
+        ws[side] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", args.model,
+                                     args.quantize], env=env,
                                     cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         print(side, "warm-up", json.loads(ws[side].stdout.readline()), flush=True)
     got = {s: [] for s in ws}
@@ -79,7 +81,7 @@ def main(argv=None) -> int:
             got[s].append(json.loads(ws[s].stdout.readline()))
     for k in ("decode", "verify", "prefill", "generate"):
         o, n = (statistics.median(x[k] for x in got[s]) for s in ("old", "new"))
-        print(f"{args.model} compiled B=1 {k}: old {o * 1e3:.3f} ms, new {n * 1e3:.3f} ms, new/old {n / o:.3f}")
+        print(f"{args.model} compiled{'-' * bool(args.quantize)}{args.quantize} B=1 {k}: old {o * 1e3:.3f} ms, new {n * 1e3:.3f} ms, new/old {n / o:.3f}")
     for w in ws.values():
         w.stdin.close()
         w.wait()
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        worker(sys.argv[2])
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3])
     else:
         raise SystemExit(main())

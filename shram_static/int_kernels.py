@@ -25,6 +25,10 @@ ENV = "SHRAM_STATIC_INT_KERNELS"
 SOURCE = Path(__file__).parent / "csrc" / "int_linear.cpp"
 # WHY no contraction: the same float sequence on every path
 CFLAGS = ["/O2", "/fp:precise"] if sys.platform == "win32" else ["-O3", "-ffp-contract=off"]
+# WHY: at::parallel_for over OpenMP is a pragma in ATen's headers; a build without the compiler's
+# OpenMP flag runs it on one thread (macOS's compiler has none by default)
+if torch.backends.openmp.is_available() and sys.platform != "darwin":
+    CFLAGS.append("/openmp" if sys.platform == "win32" else "-fopenmp")
 
 ISA: int | None = None  # after `load`: the op's `isa` argument for the layers, or None (float path)
 _loaded: bool | None = None  # `load`'s result, None before it ran

@@ -3,6 +3,9 @@ obviously correct torch reference of the same quantized arithmetic, on every pat
 runs; the layers' compiled step (fullgraph, no recompiles); the float path where the build fails.
 """
 
+import shutil
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -109,6 +112,18 @@ def test_compiled_layers_fullgraph_no_recompile():
         for n in (1, 5):
             x = torch.randn(n, 70)
             assert torch.equal(step(x), f(x))
+
+
+@pytest.mark.skipif(not (sys.platform.startswith("linux") and torch.backends.openmp.is_available()
+                         and shutil.which("nm")), reason="reads the loaded library's OpenMP calls on Linux")
+def test_ops_split_their_work_over_torch_threads():
+    """at::parallel_for is an OpenMP pragma in ATen's headers: built without the compiler's OpenMP
+    flag, the ops give the same results on one thread only (half the speed on two cores)."""
+    libs = {line.split()[-1] for line in open("/proc/self/maps") if "shram_static_int_kernels" in line}
+    assert len(libs) == 1, libs
+    calls = subprocess.run(["nm", "-D", "--undefined-only", libs.pop()], capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert "GOMP_parallel" in calls
 
 
 def test_failed_build_warns_and_layers_take_float_path(monkeypatch):
