@@ -7,11 +7,13 @@ could not be built). WHY not torchao: its tensor-subclass weights are refused by
 step's nested regions. The layers are a snapshot: they do not follow the float weights.
 """
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import int_kernels
 from .backends import quantize_modes
 from .fast_layers import shared_copy, swap_linears_
+from .layers import LocalAttention, SwiGLU
 
 QUANTIZE_MODES = quantize_modes("compiled")  # the `compiled-*` backends' modes
 GROUP = int_kernels.BLOCK  # inputs per weight scale (q4_0's and q8_0's block)
@@ -88,9 +90,41 @@ class Int4Linear(_IntLinear):
         return torch.round(wg / step[..., None]).clamp(-8, 7), s16
 
 
+class FusedQKVAttention(LocalAttention):
+    """`LocalAttention` with q, k and v as one quantized layer (rows q | k | v): one integer op per
+    step instead of three, each output computed as the three layers compute it."""
+
+    def __init__(self, att: LocalAttention, layer):
+        nn.Module.__init__(self)  # WHY not LocalAttention's: it would allocate the float layers again
+        self.num_heads, self.head_dim = att.num_heads, att.head_dim
+        self.qkv_proj = layer(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]))
+        self.o_proj = layer(att.o_proj.weight)
+
+    def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, C, d) -> q, k, v each (B, H, C, u)."""
+        B, C, _ = h.shape
+        y = self.qkv_proj(h).view(B, C, 3, self.num_heads, self.head_dim)
+        return y[:, :, 0].transpose(1, 2), y[:, :, 1].transpose(1, 2), y[:, :, 2].transpose(1, 2)
+
+
+class FusedGateUp(SwiGLU):
+    """`SwiGLU` with gate and up as one quantized layer (rows gate | up): one integer op instead of two."""
+
+    def __init__(self, mlp: SwiGLU, layer):
+        nn.Module.__init__(self)  # WHY not SwiGLU's: it would allocate the float layers again
+        self.width = mlp.gate_proj.out_features
+        self.gate_up_proj = layer(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        self.down_proj = layer(mlp.down_proj.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.width, -1)
+        return self.down_proj(F.silu(gate) * up)
+
+
 def quantize_linears_(model: nn.Module, mode: str) -> nn.Module:
     """Replaces every bias-free `nn.Linear` of `model` (a tied lm_head too) by an `Int8Linear` or
-    `Int4Linear`, in place; the embedding, router and expert weights stay float.
+    `Int4Linear`, in place, the sliding-window q, k, v and the MLP's gate, up as one layer each
+    (`FusedQKVAttention`, `FusedGateUp`); the embedding, router and expert weights stay float.
 
     Args:
         model: a `ShramForCausalLM` copy (a `shared_copy`).
@@ -102,7 +136,16 @@ def quantize_linears_(model: nn.Module, mode: str) -> nn.Module:
     check_quantize(mode)
     if mode is None:
         raise ValueError("quantize_linears_ needs a mode")
-    return swap_linears_(model, {"int8": Int8Linear, "int4": Int4Linear}[mode])
+    layer = {"int8": Int8Linear, "int4": Int4Linear}[mode]
+    # the projections that read the same input as one layer each: every integer op is a call from
+    # the compiled step's Python wrapper (docs/performance.md, "Quantization")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is LocalAttention:
+                setattr(parent, name, FusedQKVAttention(child, layer))
+            elif type(child) is SwiGLU:
+                setattr(parent, name, FusedGateUp(child, layer))
+    return swap_linears_(model, layer)
 
 
 def quantized_model(model: nn.Module, mode: str) -> nn.Module:

