@@ -11,7 +11,7 @@ the medians (below 1: B is faster).
 
     python benchmarks/inductor_options.py --unset cpp.enable_floating_point_contract_flag
     python benchmarks/inductor_options.py --model bench --set '{"cpp.enable_unsafe_math_opt_flag": true}'
-    python benchmarks/inductor_options.py --inline-layers --set '{"cpp_wrapper": true}'
+    python benchmarks/inductor_options.py --inline-layers --set '{"cpp_wrapper": true}' [--quantize int8]
 """
 
 import argparse
@@ -24,11 +24,12 @@ import time
 import torch
 
 
-def compiled_decoder(model, options: dict):
+def compiled_decoder(model, options: dict, quantize: str | None = None):
     """A batch-1 compiled StaticDecoder whose steps add `options` to their own (each decoder's
     steps are code objects of its own: they compile on their own)."""
     from shram_static import decoder as D
-    return D.StaticDecoder(model, batch_size=1, prefill_chunk=32, compile=True, verify_len=5, options=options)
+    return D.StaticDecoder(model, batch_size=1, prefill_chunk=32, compile=True, verify_len=5, options=options,
+                          quantize=quantize)
 
 
 @contextlib.contextmanager
@@ -56,6 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=0, help="steps per turn (default: 50 built-in, 5 otherwise)")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--inline-layers", action="store_true", help="B unrolls the decoder layers (see above)")
+    p.add_argument("--quantize", choices=["int8", "int4"], help="both sides' layers as compiled-int8 / -int4's")
     args = p.parse_args(argv)
     from shram_static import decoder as D
     from shram_static.bench import build_model
@@ -67,12 +69,12 @@ def main(argv=None) -> int:
     V = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     ids, prompt = torch.randint(0, V, (1, 5), generator=gen), torch.randint(0, V, (1, args.context), generator=gen)
-    sides = {"A": compiled_decoder(model, base), "B": compiled_decoder(model, other)}
+    sides = {"A": compiled_decoder(model, base, args.quantize), "B": compiled_decoder(model, other, args.quantize)}
     one, five = torch.ones(1, 1, dtype=torch.bool), torch.ones(1, 5, dtype=torch.bool)
     logits = {}  # side -> (decode logits, verify logits) at the same position
     for name, dec in sides.items():
-        dec.prefill(prompt, last_only=True)
         with inlined_layers(args.inline_layers and name == "B"):
+            dec.prefill(prompt, last_only=True)
             t0 = time.perf_counter()
             lg1 = dec.feed(ids[:, :1], one)
             dec.forget(torch.tensor([1]))

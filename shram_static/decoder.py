@@ -65,7 +65,9 @@ class StaticDecoder(HostDecoder):
             max(prefill_chunk, verify_len, rollback_limit).
         quantize: None, "int8" or "int4": weight-only quantized linear layers on the decoder's
             copy (`quantized.quantize_linears_`), made once here (later weight changes are not followed).
-        options: Inductor options added to every compiled step's own.
+        options: Inductor options added to every compiled step's own; with `"cpp_wrapper": True`
+            the steps unroll their layers (a cold compile of minutes; docs/performance.md,
+            "Quantization").
     """
 
     def __init__(self, model, batch_size: int = 1, prefill_chunk: int = 32, compile=False,
@@ -94,7 +96,10 @@ class StaticDecoder(HostDecoder):
             if batch_size > 1 or quantize == "int4":
                 decode_options = {**STEP_OPTIONS, **ROW_INPUTS_STORED}
         # the verify step attends per token: Inductor reads the gathered caches in place
-        self.module = StepModule(self.model, self.state, per_token_max=verify_len or 1)
+        # WHY unrolled under the C++ wrapper: it cannot compile a nested region (invoke_subgraph) on
+        # torch 2.14 and before
+        self.module = StepModule(self.model, self.state, per_token_max=verify_len or 1,
+                                 nested=not (options or {}).get("cpp_wrapper"))
         # the RowLinears and RowExperts, packed again before a step once one of their weights changed
         packers = [m for m in self.module.modules() if isinstance(m, (RowLinear, RowExperts))]
         self._row_owner = [m for m in packers for _ in m.sources]  # the packer of each weight

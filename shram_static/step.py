@@ -22,7 +22,8 @@ _nested_layer_step = torch.compiler.nested_compile_region(DecoderLayer.step)
 
 def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torch.Tensor,
          live: torch.Tensor, ring: int, inplace: bool, per_token_max: int = 1,
-         last_only: bool = False, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+         last_only: bool = False, slots: torch.Tensor | None = None,
+         nested: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Runs C tokens per row through the model, reading and updating the static state.
 
     Args:
@@ -38,6 +39,7 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
         last_only: logits at each row's last live token only, (B, 1, V).
         slots: (P,) float32 `slot_numbers(T)[:P]`, the first P slots of each expert's cache
             attended (`state.prefix_len`); None: the whole cache.
+        nested: compiled, each layer a nested compile region (False: the layers unrolled).
 
     Returns:
         logits (B, C, V) (unspecified at dead tokens; (B, 1, V) with `last_only`, unspecified
@@ -53,7 +55,7 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
     x = model.embed_tokens(tokens)  # (B, C, d)
     ctx = context(model, live, input_pos, ring, state[0].shape[0] // B - 1, mode, x.dtype, slots)
     compiling = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-    run = _nested_layer_step if compiling else _layer_step
+    run = _nested_layer_step if compiling and nested else _layer_step
     flat = ctx.flat()
     new_state: list[torch.Tensor] = []
     for i, layer in enumerate(model.model.layers):
@@ -112,19 +114,21 @@ class StepModule(nn.Module):
         model: `ShramForCausalLM`.
         state: its `StaticState`.
         per_token_max: steps of at most this many tokens per row attend per token (`step`).
+        nested: compiled, each layer a nested compile region (`step`).
     """
 
-    def __init__(self, model, state: StaticState, per_token_max: int = 1):
+    def __init__(self, model, state: StaticState, per_token_max: int = 1, nested: bool = True):
         super().__init__()
         self.model = model
         self.state = state
         self.per_token_max = per_token_max
+        self.nested = nested
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor,
                 last_only: bool = False, slots: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, C) int64, input_pos (B,) int64, live (B, C) bool -> logits (`step`)."""
         return step(self.model, self.state.tensors(), tokens, input_pos, live, self.state.ring, inplace=True,
-                    per_token_max=self.per_token_max, last_only=last_only, slots=slots)[0]
+                    per_token_max=self.per_token_max, last_only=last_only, slots=slots, nested=self.nested)[0]
 
 
 class FunctionalStep(nn.Module):

@@ -288,6 +288,35 @@ def test_inline_layers_unrolls_the_step_and_puts_the_nested_region_back():
     torch._dynamo.reset()
 
 
+def test_cpp_wrapper_option_unrolls_the_layers():
+    """Inductor's C++ wrapper cannot compile the nested layer region (invoke_subgraph) on this
+    torch: a decoder given `cpp_wrapper` in its options traces every layer inline, one without it
+    calls the nested region per layer; the model's layers are the same modules either way."""
+    from helpers import tiny_model
+
+    model = tiny_model()  # two layers (Dynamo inlines a region called once)
+
+    def subgraph_calls(options) -> int:
+        graphs = []
+
+        def capture(gm, _inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        step = StaticDecoder(model, prefill_chunk=4, options=options).module
+        with torch.no_grad():
+            torch.compile(step, backend=capture, fullgraph=True)(
+                torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                torch.ones(1, 1, dtype=torch.bool))
+        return sum("invoke_subgraph" in str(n.target) for g in graphs for n in g.graph.nodes)
+
+    assert subgraph_calls(None) == model.config.num_decoder_layers
+    assert subgraph_calls({"cpp_wrapper": True}) == 0
+    assert subgraph_calls({"cpp_wrapper": False}) == model.config.num_decoder_layers
+    torch._dynamo.reset()
+
+
 class _ChangesAWeight:
     """A streamer that negates a weight in place when the n-th token column arrives (the prompt
     is put first): the caller's code between two steps of `generate`."""

@@ -171,6 +171,26 @@ def test_compiled_quantized_step(builtin, mode):
     assert torch.equal(out[0, -8:], hf[0, -8:])
 
 
+def test_cpp_wrapper_decode_step():
+    """A compiled-int8 decode step under Inductor's C++ wrapper (`options={"cpp_wrapper": True}`,
+    the layers unrolled): fullgraph, no recompile across positions, the logits of the quantized
+    model's uncached forward."""
+    from helpers import compiled_test_model
+
+    model = compiled_test_model(5)  # one layer: the C++ wrapper's cold compile is ~10 s
+    ids = torch.randint(0, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(5))
+    dec = StaticDecoder(model, compile=["decode"], quantize="int8", options={"cpp_wrapper": True})
+    with torch.no_grad():
+        want = quantized_model(model, "int8")(ids).logits[0, 5:]
+    dec.prefill(ids[:, :5])
+    V = model.config.vocab_size
+    got = [dec.decode(ids[:, 5]).reshape(-1, V)[-1]]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got += [dec.decode(ids[:, i]).reshape(-1, V)[-1] for i in range(6, 10)]
+    # WHY not ulps: as in test_compiled_quantized_step
+    assert torch.allclose(torch.stack(got), want, atol=0.15, rtol=0)
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("mode", ["int4"])
 def test_onnx_quantized_export(mode, tmp_path):
