@@ -171,6 +171,7 @@ def test_compiled_quantized_step(builtin, mode):
     assert torch.equal(out[0, -8:], hf[0, -8:])
 
 
+@pytest.mark.heavy
 def test_cpp_wrapper_decode_step():
     """A compiled-int8 decode step under Inductor's C++ wrapper (`options={"cpp_wrapper": True}`,
     the layers unrolled): fullgraph, no recompile across positions, the logits of the quantized
