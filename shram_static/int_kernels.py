@@ -26,7 +26,8 @@ SOURCE = Path(__file__).parent / "csrc" / "int_linear.cpp"
 # WHY no contraction: the same float sequence on every path
 CFLAGS = ["/O2", "/fp:precise"] if sys.platform == "win32" else ["-O3", "-ffp-contract=off"]
 # WHY: at::parallel_for over OpenMP is a pragma in ATen's headers; a build without the compiler's
-# OpenMP flag runs it on one thread (macOS's compiler has none by default)
+# OpenMP flag runs it on one thread (macOS's compiler has none by default). Compile flags only:
+# unlinked, the ops bind the OpenMP runtime torch loaded, not a second one with threads of its own
 if torch.backends.openmp.is_available() and sys.platform != "darwin":
     CFLAGS.append("/openmp" if sys.platform == "win32" else "-fopenmp")
 
