@@ -27,7 +27,8 @@ def worker(model_name: str, quantize: str = "") -> None:
     from shram_static.bench import build_model
     torch.manual_seed(0)
     m = build_model(model_name).eval()
-    dec = StaticDecoder(m, batch_size=1, prefill_chunk=32, compile=True, quantize=quantize or None)
+    # WHY quantize only when asked: an older checkout's decoder may not take it
+    dec = StaticDecoder(m, batch_size=1, prefill_chunk=32, compile=True, **({"quantize": quantize} if quantize else {}))
     ids = torch.randint(0, m.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0))
     t = time.perf_counter()
     dec.prefill(ids[:, :64], last_only=True)
