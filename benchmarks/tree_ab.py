@@ -8,6 +8,7 @@ then one `generate` (400 tokens on the built-in model, 40 on the bench model). P
 figure's medians and new/old (above 1: the new checkout is slower).
 
     python benchmarks/tree_ab.py OLD_DIR NEW_DIR [--model bench] [--rounds 8] [--quantize int8|int4]
+        [--new-options '{"cpp_wrapper": true}']
 """
 
 import argparse
@@ -19,7 +20,7 @@ import sys
 import time
 
 
-def worker(model_name: str, quantize: str = "") -> None:
+def worker(model_name: str, quantize: str = "", options: str = "{}") -> None:
     """The child: builds the decoder, says its warm-up, then times one round per stdin line."""
     import torch
 
@@ -28,7 +29,8 @@ def worker(model_name: str, quantize: str = "") -> None:
     torch.manual_seed(0)
     m = build_model(model_name).eval()
     # WHY quantize only when asked: an older checkout's decoder may not take it
-    dec = StaticDecoder(m, batch_size=1, prefill_chunk=32, compile=True, **({"quantize": quantize} if quantize else {}))
+    dec = StaticDecoder(m, batch_size=1, prefill_chunk=32, compile=True, **({"quantize": quantize} if quantize else {}),
+                        **({"options": json.loads(options)} if options != "{}" else {}))
     ids = torch.randint(0, m.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0))
     t = time.perf_counter()
     dec.prefill(ids[:, :64], last_only=True)
@@ -66,12 +68,13 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="bench")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--quantize", choices=["int8", "int4"], default="", help="the compiled-int8 / -int4 layers")
+    ap.add_argument("--new-options", default="{}", help="JSON: Inductor options of the new side's decoder")
     args = ap.parse_args(argv)
     ws = {}
     for side, tree in (("old", args.old), ("new", args.new)):
         env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
         ws[side] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", args.model,
-                                     args.quantize], env=env,
+                                     args.quantize, args.new_options if side == "new" else "{}"], env=env,
                                     cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         print(side, "warm-up", json.loads(ws[side].stdout.readline()), flush=True)
     got = {s: [] for s in ws}
@@ -90,7 +93,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3])
+    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
+        worker(*sys.argv[2:])
     else:
         raise SystemExit(main())

@@ -41,6 +41,11 @@ def owned_guards(entries) -> list[bool]:
 
 
 STEP_OPTIONS = {**NO_SIZE_ASSERTS, **FMA_CONTRACTION, "guard_filter_fn": owned_guards}
+
+# Inductor option added where a caller asks for the C++ wrapper: its small buffers on the stack.
+# WHY: a step's wrapper otherwise allocates each of its dozens of tiny intermediates per call
+# (built-in decode 0.83x, verify 0.76x; docs/performance.md, "Host cost")
+STACK_BUFFERS = {"aot_inductor.allow_stack_allocation": True}
 KINDS = ("decode", "prefill", "verify", "prefill_last")  # the kinds of step (`StaticDecoder.step_function`)
 # A compiled kind of step is two graphs, prefixes of at most and of more than ACC_CHUNK slots. WHY: Inductor
 # sums a float reduction of more than 4096 elements in chunks and guards the length on the side it compiled.
@@ -66,8 +71,9 @@ class StaticDecoder(HostDecoder):
         quantize: None, "int8" or "int4": weight-only quantized linear layers on the decoder's
             copy (`quantized.quantize_linears_`), made once here (later weight changes are not followed).
         options: Inductor options added to every compiled step's own; with `"cpp_wrapper": True`
-            the steps unroll their layers (a cold compile of minutes; docs/performance.md,
-            "Quantization").
+            the steps unroll their layers and keep small buffers on the stack (`STACK_BUFFERS`,
+            unless `options` says otherwise): a cold compile of minutes (docs/performance.md,
+            "Host cost of the compiled step").
     """
 
     def __init__(self, model, batch_size: int = 1, prefill_chunk: int = 32, compile=False,
@@ -96,10 +102,10 @@ class StaticDecoder(HostDecoder):
             if batch_size > 1 or quantize == "int4":
                 decode_options = {**STEP_OPTIONS, **ROW_INPUTS_STORED}
         # the verify step attends per token: Inductor reads the gathered caches in place
+        cpp_wrapper = bool((options or {}).get("cpp_wrapper"))
         # WHY unrolled under the C++ wrapper: it cannot compile a nested region (invoke_subgraph) on
         # torch 2.14 and before
-        self.module = StepModule(self.model, self.state, per_token_max=verify_len or 1,
-                                 nested=not (options or {}).get("cpp_wrapper"))
+        self.module = StepModule(self.model, self.state, per_token_max=verify_len or 1, nested=not cpp_wrapper)
         # the RowLinears and RowExperts, packed again before a step once one of their weights changed
         packers = [m for m in self.module.modules() if isinstance(m, (RowLinear, RowExperts))]
         self._row_owner = [m for m in packers for _ in m.sources]  # the packer of each weight
@@ -115,7 +121,7 @@ class StaticDecoder(HostDecoder):
         self._dynamic: set[tuple[str, bool]] = set()  # the step functions that have been called
         self._held: set[str] | None = None  # inside `steady`: the steps whose weights were checked there
         # the verify step reads each RowLinear weight once for all its rows, as a multi-row decode does
-        self._options = {k: {**o, **(options or {})} for k, o in (
+        self._options = {k: {**o, **(STACK_BUFFERS if cpp_wrapper else {}), **(options or {})} for k, o in (
             ("decode", decode_options), ("prefill", STEP_OPTIONS), ("prefill_last", STEP_OPTIONS),
             ("verify", {**STEP_OPTIONS, **ROW_INPUTS_STORED}))}
         # one compiled graph serves every length: the slot numbers are an input of dynamic size

@@ -291,7 +291,7 @@ def test_inline_layers_unrolls_the_step_and_puts_the_nested_region_back():
 def test_cpp_wrapper_option_unrolls_the_layers():
     """Inductor's C++ wrapper cannot compile the nested layer region (invoke_subgraph) on this
     torch: a decoder given `cpp_wrapper` in its options traces every layer inline, one without it
-    calls the nested region per layer; the model's layers are the same modules either way."""
+    calls the nested region per layer; with it, its steps' small buffers go on the stack."""
     from helpers import tiny_model
 
     model = tiny_model()  # two layers (Dynamo inlines a region called once)
@@ -315,6 +315,11 @@ def test_cpp_wrapper_option_unrolls_the_layers():
     assert subgraph_calls({"cpp_wrapper": True}) == 0
     assert subgraph_calls({"cpp_wrapper": False}) == model.config.num_decoder_layers
     torch._dynamo.reset()
+    # under the C++ wrapper every kind of step keeps its small buffers on the stack, unless asked not to
+    stack = "aot_inductor.allow_stack_allocation"
+    for options, want in (({"cpp_wrapper": True}, True), ({"cpp_wrapper": True, stack: False}, False), ({}, None)):
+        kinds = StaticDecoder(model, compile=True, options=options)._options.values()
+        assert [o.get(stack) for o in kinds] == [want] * len(kinds)
 
 
 class _ChangesAWeight:
