@@ -1,6 +1,7 @@
 """`StaticDecoder`: the static steps in PyTorch, eager or `torch.compile(fullgraph=True)`."""
 
 import contextlib
+import os
 import types
 
 import torch
@@ -47,6 +48,21 @@ STEP_OPTIONS = {**NO_SIZE_ASSERTS, **FMA_CONTRACTION, "guard_filter_fn": owned_g
 # (built-in decode 0.83x, verify 0.76x; docs/performance.md, "Host cost")
 STACK_BUFFERS = {"aot_inductor.allow_stack_allocation": True}
 KINDS = ("decode", "prefill", "verify", "prefill_last")  # the kinds of step (`StaticDecoder.step_function`)
+CPP_WRAPPER_ENV = "SHRAM_STATIC_CPP_WRAPPER"  # 1: compiled decoders add {"cpp_wrapper": True} to their options
+
+
+def cpp_wrapper_default() -> bool:
+    """Whether `CPP_WRAPPER_ENV` asks compiled decoders for Inductor's C++ wrapper (unset, 0: no; 1: yes).
+
+    Raises:
+        ValueError: any other value.
+    """
+    value = os.environ.get(CPP_WRAPPER_ENV, "").strip().lower()
+    if value not in ("", "0", "1", "false", "true"):
+        raise ValueError(f"{CPP_WRAPPER_ENV} must be 0 or 1, got {value!r}")
+    return value in ("1", "true")
+
+
 # A compiled kind of step is two graphs, prefixes of at most and of more than ACC_CHUNK slots. WHY: Inductor
 # sums a float reduction of more than 4096 elements in chunks and guards the length on the side it compiled.
 ACC_CHUNK = 4096
@@ -71,9 +87,12 @@ class StaticDecoder(HostDecoder):
         quantize: None, "int8" or "int4": weight-only quantized linear layers on the decoder's
             copy (`quantized.quantize_linears_`), made once here (later weight changes are not followed).
         options: Inductor options added to every compiled step's own; with `"cpp_wrapper": True`
-            the steps unroll their layers and keep small buffers on the stack (`STACK_BUFFERS`,
-            unless `options` says otherwise): a cold compile of minutes (docs/performance.md,
-            "Host cost of the compiled step").
+            (the default where `CPP_WRAPPER_ENV` is 1) the steps unroll their layers and keep small
+            buffers on the stack (`STACK_BUFFERS`, unless `options` says otherwise): a cold compile
+            of minutes (docs/performance.md, "Host cost of the compiled step").
+
+    Raises:
+        ValueError: a bad argument, or a bad `CPP_WRAPPER_ENV` value.
     """
 
     def __init__(self, model, batch_size: int = 1, prefill_chunk: int = 32, compile=False,
@@ -83,6 +102,8 @@ class StaticDecoder(HostDecoder):
         kinds = set(KINDS) if compile is True else set(compile or ())
         if not kinds <= set(KINDS):
             raise ValueError(f"compile must be a bool or a collection of {KINDS}, got {compile!r}")
+        if kinds and cpp_wrapper_default():  # every command's compiled backends, by the environment
+            options = {"cpp_wrapper": True, **(options or {})}
         check_verify_len(verify_len)
         check_quantize(quantize)
         p = next(model.parameters())

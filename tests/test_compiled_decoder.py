@@ -322,6 +322,24 @@ def test_cpp_wrapper_option_unrolls_the_layers():
         assert [o.get(stack) for o in kinds] == [want] * len(kinds)
 
 
+def test_cpp_wrapper_from_the_environment(monkeypatch):
+    """SHRAM_STATIC_CPP_WRAPPER=1 gives compiled decoders (every command's) the C++ wrapper unless
+    their options say otherwise, eager ones nothing; a bad value is refused by name."""
+    from helpers import tiny_model
+    from shram_static.decoder import CPP_WRAPPER_ENV
+
+    model = tiny_model()
+    monkeypatch.setenv(CPP_WRAPPER_ENV, "1")
+    assert not StaticDecoder(model, compile=True).module.nested
+    assert StaticDecoder(model, compile=True, options={"cpp_wrapper": False}).module.nested
+    assert all(not o.get("cpp_wrapper") for o in StaticDecoder(model)._options.values())
+    monkeypatch.setenv(CPP_WRAPPER_ENV, "0")
+    assert StaticDecoder(model, compile=True).module.nested
+    monkeypatch.setenv(CPP_WRAPPER_ENV, "yes please")
+    with pytest.raises(ValueError, match=CPP_WRAPPER_ENV):
+        StaticDecoder(model, compile=True)
+
+
 class _ChangesAWeight:
     """A streamer that negates a weight in place when the n-th token column arrives (the prompt
     is put first): the caller's code between two steps of `generate`."""
