@@ -45,7 +45,7 @@ STEP_OPTIONS = {**NO_SIZE_ASSERTS, **FMA_CONTRACTION, "guard_filter_fn": owned_g
 
 # Inductor option added where a caller asks for the C++ wrapper: its small buffers on the stack.
 # WHY: a step's wrapper otherwise allocates each of its dozens of tiny intermediates per call
-# (built-in decode 0.83x, verify 0.76x; docs/performance.md, "Host cost")
+# (docs/performance.md, "Host cost of the compiled step")
 STACK_BUFFERS = {"aot_inductor.allow_stack_allocation": True}
 KINDS = ("decode", "prefill", "verify", "prefill_last")  # the kinds of step (`StaticDecoder.step_function`)
 CPP_WRAPPER_ENV = "SHRAM_STATIC_CPP_WRAPPER"  # 1: compiled decoders add {"cpp_wrapper": True} to their options

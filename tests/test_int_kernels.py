@@ -118,7 +118,7 @@ def test_compiled_layers_fullgraph_no_recompile():
                          and shutil.which("nm")), reason="reads the loaded library's OpenMP calls on Linux")
 def test_ops_split_their_work_over_torch_threads():
     """at::parallel_for is an OpenMP pragma in ATen's headers: built without the compiler's OpenMP
-    flag, the ops give the same results on one thread only (half the speed on two cores)."""
+    flag, the ops give the same results on one thread only."""
     libs = {line.split()[-1] for line in open("/proc/self/maps") if "shram_static_int_kernels" in line}
     assert len(libs) == 1, libs
     calls = subprocess.run(["nm", "-D", "--undefined-only", libs.pop()], capture_output=True, text=True,
