@@ -118,9 +118,7 @@ class StaticDecoder(HostDecoder):
         decode_options = STEP_OPTIONS
         if kinds and batch_size <= FEW_ROWS and p.device.type == "cpu":
             row_linear_(self.model)
-            # int4, at one row too: its loops are bound by instructions, and the norm's rsqrt
-            # inlined into each of them is measurable (docs/performance.md, "Quantization")
-            if batch_size > 1 or quantize == "int4":
+            if batch_size > 1:
                 decode_options = {**STEP_OPTIONS, **ROW_INPUTS_STORED}
         # the verify step attends per token: Inductor reads the gathered caches in place
         cpp_wrapper = bool((options or {}).get("cpp_wrapper"))
