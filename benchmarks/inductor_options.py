@@ -11,7 +11,8 @@ the medians (below 1: B is faster).
 
     python benchmarks/inductor_options.py --unset cpp.enable_floating_point_contract_flag
     python benchmarks/inductor_options.py --model bench --set '{"cpp.enable_unsafe_math_opt_flag": true}'
-    python benchmarks/inductor_options.py --inline-layers --set '{"cpp_wrapper": true}' [--quantize int8]
+    python benchmarks/inductor_options.py --set '{"cpp_wrapper": true}' [--quantize int8]   # B's layers unrolled by its decoder
+    python benchmarks/inductor_options.py --inline-layers
 """
 
 import argparse

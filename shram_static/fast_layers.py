@@ -148,6 +148,24 @@ def row_linear_(model: nn.Module) -> nn.Module:
     return swap_linears_(model, RowLinear)
 
 
+def swap_children_(model: nn.Module, swap) -> nn.Module:
+    """Replaces, in place, every submodule `c` of `model` for which `swap(c)` gives a module by that module.
+
+    Args:
+        model: a `ShramForCausalLM` copy (never the caller's own model).
+        swap: submodule -> its replacement, or None to keep it.
+
+    Returns:
+        model.
+    """
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            new = swap(child)
+            if new is not None:
+                setattr(parent, name, new)
+    return model
+
+
 def swap_linears_(model: nn.Module, layer) -> nn.Module:
     """Replaces, in place, every bias-free `nn.Linear` of `model` (and a tied lm_head) by `layer(weight)`.
 
@@ -158,10 +176,7 @@ def swap_linears_(model: nn.Module, layer) -> nn.Module:
     Returns:
         model.
     """
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.bias is None:
-                setattr(parent, name, layer(child.weight))
+    swap_children_(model, lambda c: layer(c.weight) if isinstance(c, nn.Linear) and c.bias is None else None)
     if getattr(model, "lm_head", 0) is None:  # tied: the head reads the embedding table
         model.lm_head = layer(model.embed_tokens.weight)
     return model

@@ -12,7 +12,7 @@ from torch import nn
 
 from . import int_kernels
 from .backends import quantize_modes
-from .fast_layers import shared_copy, swap_linears_
+from .fast_layers import shared_copy, swap_children_, swap_linears_
 from .layers import LocalAttention, SwiGLU
 
 QUANTIZE_MODES = quantize_modes("compiled")  # the `compiled-*` backends' modes
@@ -139,12 +139,8 @@ def quantize_linears_(model: nn.Module, mode: str) -> nn.Module:
     layer = {"int8": Int8Linear, "int4": Int4Linear}[mode]
     # the projections that read the same input as one layer each: every integer op is a call from
     # the compiled step's Python wrapper (docs/performance.md, "Quantization")
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is LocalAttention:
-                setattr(parent, name, FusedQKVAttention(child, layer))
-            elif type(child) is SwiGLU:
-                setattr(parent, name, FusedGateUp(child, layer))
+    fused = {LocalAttention: FusedQKVAttention, SwiGLU: FusedGateUp}
+    swap_children_(model, lambda c: fused[type(c)](c, layer) if type(c) in fused else None)
     return swap_linears_(model, layer)
 
 
