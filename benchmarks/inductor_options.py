@@ -12,11 +12,9 @@ the medians (below 1: B is faster).
     python benchmarks/inductor_options.py --unset cpp.enable_floating_point_contract_flag
     python benchmarks/inductor_options.py --model bench --set '{"cpp.enable_unsafe_math_opt_flag": true}'
     python benchmarks/inductor_options.py --set '{"cpp_wrapper": true}' [--quantize int8]   # B's layers unrolled by its decoder
-    python benchmarks/inductor_options.py --inline-layers
 """
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -33,22 +31,6 @@ def compiled_decoder(model, options: dict, quantize: str | None = None):
                           quantize=quantize)
 
 
-@contextlib.contextmanager
-def inlined_layers(on: bool = True):
-    """Within the block (when `on`), a step compiled or run unrolls its decoder layers
-    (`step._layer_step` in place of the nested region `step._nested_layer_step`). WHY around
-    every call of B, not only its first: a call that checks Dynamo's guards checks the global it
-    read, and outside the block it would compile the nested form again."""
-    from shram_static import step as S
-    saved = S._nested_layer_step
-    if on:
-        S._nested_layer_step = S._layer_step
-    try:
-        yield
-    finally:
-        S._nested_layer_step = saved
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="builtin", help="'builtin', 'bench' or a checkpoint directory")
@@ -57,7 +39,6 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--steps", type=int, default=0, help="steps per turn (default: 50 built-in, 5 otherwise)")
     p.add_argument("--context", type=int, default=256)
-    p.add_argument("--inline-layers", action="store_true", help="B unrolls the decoder layers (see above)")
     p.add_argument("--quantize", choices=["int8", "int4"], help="both sides' layers as compiled-int8 / -int4's")
     args = p.parse_args(argv)
     from shram_static import decoder as D
@@ -74,14 +55,13 @@ def main(argv=None) -> int:
     one, five = torch.ones(1, 1, dtype=torch.bool), torch.ones(1, 5, dtype=torch.bool)
     logits = {}  # side -> (decode logits, verify logits) at the same position
     for name, dec in sides.items():
-        with inlined_layers(args.inline_layers and name == "B"):
-            dec.prefill(prompt, last_only=True)
-            t0 = time.perf_counter()
-            lg1 = dec.feed(ids[:, :1], one)
-            dec.forget(torch.tensor([1]))
-            t1 = time.perf_counter()
-            logits[name] = (lg1, dec.feed(ids, five))
-            dec.forget(torch.tensor([5]))
+        dec.prefill(prompt, last_only=True)
+        t0 = time.perf_counter()
+        lg1 = dec.feed(ids[:, :1], one)
+        dec.forget(torch.tensor([1]))
+        t1 = time.perf_counter()
+        logits[name] = (lg1, dec.feed(ids, five))
+        dec.forget(torch.tensor([5]))
         print(f"{name}: first decode {t1 - t0:.1f} s, first verify {time.perf_counter() - t1:.1f} s "
               f"(compiles, unless Inductor's cache holds them)")
     print(f"largest logit difference B - A: decode {(logits['A'][0] - logits['B'][0]).abs().max():.2e}, "
@@ -91,15 +71,14 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         for name in (("A", "B") if r % 2 == 0 else ("B", "A")):
             dec = sides[name]
-            with inlined_layers(args.inline_layers and name == "B"):
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    dec.feed(ids[:, :1], one)
-                    dec.forget(torch.tensor([1]))
-                t1 = time.perf_counter()
-                for _ in range(n):
-                    dec.feed(ids, five)
-                    dec.forget(torch.tensor([5]))
+            t0 = time.perf_counter()
+            for _ in range(n):
+                dec.feed(ids[:, :1], one)
+                dec.forget(torch.tensor([1]))
+            t1 = time.perf_counter()
+            for _ in range(n):
+                dec.feed(ids, five)
+                dec.forget(torch.tensor([5]))
             times[(name, "decode")].append((t1 - t0) / n)
             times[(name, "verify")].append((time.perf_counter() - t1) / n)
     for k in ("decode", "verify"):

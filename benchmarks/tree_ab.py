@@ -3,12 +3,12 @@ process of its own, timed in turn round by round (the order reversed every round
 
 What a change to the host code or the compiled step costs when no switch turns it off (a
 commit against its parent, each checked out with `git worktree add`). Per round each worker
-prefills 64 tokens, times 12 decode steps and 6 verify steps of 5 tokens (each rolled back),
+prefills 64 tokens (`--context`), times 12 decode steps and 6 verify steps of 5 tokens (each rolled back),
 then one `generate` (400 tokens on the built-in model, 40 on the bench model). Prints each
 figure's medians and new/old (above 1: the new checkout is slower).
 
     python benchmarks/tree_ab.py OLD_DIR NEW_DIR [--model bench] [--rounds 8] [--quantize int8|int4]
-        [--new-options '{"cpp_wrapper": true}']
+        [--new-options '{"cpp_wrapper": true}'] [--context 800]
 """
 
 import argparse
@@ -20,7 +20,7 @@ import sys
 import time
 
 
-def worker(model_name: str, quantize: str = "", options: str = "{}") -> None:
+def worker(model_name: str, quantize: str = "", options: str = "{}", context: str = "64") -> None:
     """The child: builds the decoder, says its warm-up, then times one round per stdin line."""
     import torch
 
@@ -31,9 +31,10 @@ def worker(model_name: str, quantize: str = "", options: str = "{}") -> None:
     # WHY quantize only when asked: an older checkout's decoder may not take it
     dec = StaticDecoder(m, batch_size=1, prefill_chunk=32, compile=True, **({"quantize": quantize} if quantize else {}),
                         **({"options": json.loads(options)} if options != "{}" else {}))
-    ids = torch.randint(0, m.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0))
+    N = int(context)
+    ids = torch.randint(0, m.config.vocab_size, (1, max(512, N + 8)), generator=torch.Generator().manual_seed(0))
     t = time.perf_counter()
-    dec.prefill(ids[:, :64], last_only=True)
+    dec.prefill(ids[:, :N], last_only=True)
     dec.decode(ids[:, 0])
     dec.verify(ids[:, :5])
     dec.rollback(5)
@@ -42,7 +43,7 @@ def worker(model_name: str, quantize: str = "", options: str = "{}") -> None:
     for _ in sys.stdin:
         dec.reset()
         t = time.perf_counter()
-        dec.prefill(ids[:, :64], last_only=True)
+        dec.prefill(ids[:, :N], last_only=True)
         got = {"prefill": time.perf_counter() - t, "decode": [], "verify": []}
         for i in range(12):
             t = time.perf_counter()
@@ -69,13 +70,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--quantize", choices=["int8", "int4"], default="", help="the compiled-int8 / -int4 layers")
     ap.add_argument("--new-options", default="{}", help="JSON: Inductor options of the new side's decoder")
+    ap.add_argument("--context", type=int, default=64, help="tokens prefilled before the decode and verify steps")
     args = ap.parse_args(argv)
     ws = {}
     for side, tree in (("old", args.old), ("new", args.new)):
         env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
         ws[side] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", args.model,
-                                     args.quantize, args.new_options if side == "new" else "{}"], env=env,
-                                    cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     args.quantize, args.new_options if side == "new" else "{}", str(args.context)],
+                                    env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         print(side, "warm-up", json.loads(ws[side].stdout.readline()), flush=True)
     got = {s: [] for s in ws}
     for r in range(args.rounds):
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
+    if len(sys.argv) == 6 and sys.argv[1] == "--worker":
         worker(*sys.argv[2:])
     else:
         raise SystemExit(main())

@@ -1,5 +1,6 @@
 """Masked softmax attention that is safe on rows with no visible key, on every backend, and the
-two forms in which a static step attends the sparse caches (`attend_gathered`, `attend_by_expert`)."""
+two forms in which a static step attends the sparse caches (`attend_gathered` over the caches'
+prefixes gathered by `prefix_rows` or `prefix_blocks`, `attend_by_expert`)."""
 
 import torch
 
@@ -64,24 +65,52 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     return mm(a.reshape(-1, Q, S), v3).view(*lead, Q, u)
 
 
-def attend_gathered(qs: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, head: torch.Tensor,
-                    slot: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
-    """Sparse attention of a few tokens per row, each token's K expert caches gathered.
+def prefix_rows(sk: torch.Tensor, sv: torch.Tensor, head: torch.Tensor, P: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first P slots of each query's expert caches, as one gather of just those rows per cache.
+
+    WHY rows: in onnxruntime and ExecuTorch a slice of the caches and a gather are each a copy,
+    the slice of all L caches.
 
     Args:
-        qs: (B, C, K, u) queries at the selected experts; sk, sv: (B*L, S, u) every (row,
-            expert) cache, written, S >= P; head, slot: (B, C, K) each query's (row, expert)
-            cache and the last slot it sees; slots: (P,) float32 (`slot_bias`); scale.
+        sk, sv: (B*L, S, u) every (row, expert) key and value cache, S >= P.
+        head: (B, C, K) each query's (row, expert) cache.
+        P: slots read per cache.
+
+    Returns:
+        keys and values, (B, C, K, P, u) each.
+    """
+    S, u = sk.shape[1:]
+    rows = (head.reshape(-1, 1) * S + torch.arange(P, device=head.device)).reshape(-1)  # (B*C*K*P,)
+    return tuple(c.reshape(-1, u).index_select(0, rows).view(*head.shape, P, u) for c in (sk, sv))
+
+
+def prefix_blocks(sk: torch.Tensor, sv: torch.Tensor, head: torch.Tensor, P: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prefix_rows`' values as a gather of whole caches, then their first P slots.
+
+    WHY for Inductor: the gather's index is one per cache, so the kernel reads each cache's slots
+    as strided vectors; by row index it loads the values lane by lane, and a step over a long
+    context pays for it (docs/performance.md). In an export it would copy K whole caches.
+
+    Args, Returns: as `prefix_rows`.
+    """
+    u, h = sk.shape[-1], head.reshape(-1)
+    return tuple(c.index_select(0, h)[:, :P].view(*head.shape, P, u) for c in (sk, sv))
+
+
+def attend_gathered(qs: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor,
+                    slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """Sparse attention of a few tokens per row over their K experts' gathered caches.
+
+    Args:
+        qs: (B, C, K, u) queries at the selected experts.
+        kc, vc: (B, C, K, P, u) the first P slots of each query's cache (`prefix_rows`).
+        slot: (B, C, K) the last slot each query sees.
+        slots: (P,) float32 (`slot_bias`).
+        scale: the score scale.
 
     Returns:
         (B, C, K, u); every query sees slot 0 of its expert, so no `seen` multiplier.
     """
-    B, C, K, u = qs.shape
-    P, S = slots.shape[0], sk.shape[1]
-    # WHY one gather of just the rows read (each cache's first P slots): in onnxruntime and
-    # ExecuTorch a slice of the caches and a gather are each a copy, the slice of all L caches
-    rows = (head.reshape(-1, 1) * S + torch.arange(P, device=head.device)).reshape(-1)  # (B*C*K*P,)
-    kc, vc = (c.reshape(-1, u).index_select(0, rows).view(B, C, K, P, u) for c in (sk, sv))
     bias = slot_bias(slot[..., None], slots, qs.dtype)[..., None, :]  # (B, C, K, 1, P)
     return masked_attention(qs[..., None, :], kc, vc, bias, scale)[..., 0, :]
 

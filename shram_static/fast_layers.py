@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import prefix_blocks, prefix_rows
 from .layers import BEA, MoSRAH, Router, gather_experts
 from .routing import top_k_ranks
 
@@ -74,11 +75,14 @@ class RowExperts(BEA):
     """`BEA` for the compiled steps on CPU, with its own copy of q, k and v side by side (L, d, 3u).
 
     `project` sums h times each token's K gathered (d, 3u) blocks in fp32, vectorized over contiguous
-    weights (Inductor loads `BEA.project`'s einsum lane by lane). `repack()` after a weight changed.
+    weights (Inductor loads `BEA.project`'s einsum lane by lane); `prefix` gathers whole caches
+    (`attention.prefix_blocks`). `repack()` after a weight changed.
 
     Args:
         bea: the `BEA` whose weights it shares (not changed).
     """
+
+    prefix = staticmethod(prefix_blocks)  # each cache's slots read as vectors (`BEA.prefix`: by row)
 
     def __init__(self, bea: BEA):
         nn.Module.__init__(self)
@@ -205,6 +209,8 @@ class FusedExperts(nn.Module):
         self.requires_grad_(False)
         # a constant, not an arange per call (each is a portable op in the exported step)
         self.register_buffer("experts", torch.arange(L, device=like["device"]), persistent=False)
+
+    prefix = staticmethod(prefix_rows)  # see `BEA.prefix`
 
     def select(self, idx: torch.Tensor, hot: torch.Tensor | None = None) -> torch.Tensor:
         """idx (B, C, K) -> one-hot (B*C, K, L) float, made once per layer; `hot`, one already made."""

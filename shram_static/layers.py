@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import attend_by_expert, attend_gathered, masked_attention
+from .attention import attend_by_expert, attend_gathered, masked_attention, prefix_rows
 from .config import ShramConfig
 from .reductions import exclusive_cumsum, mean_last
 from .rope import apply_rope
@@ -158,6 +158,9 @@ class BEA(nn.Module):
         self.v_proj = nn.Parameter(torch.empty(L, d, u))
         self.o_proj = nn.Parameter(torch.empty(L, u, d))
 
+    # the first P slots of each query's caches: sk, sv (B*L, S, u), head (B, C, K), P -> 2 x (B, C, K, P, u)
+    prefix = staticmethod(prefix_rows)
+
     def select(self, idx: torch.Tensor, hot: torch.Tensor | None = None) -> torch.Tensor:
         """The selection `project` and `output` take: idx (B, C, K) itself (`hot` is unused here)."""
         return idx
@@ -229,8 +232,8 @@ class MoSRAH(nn.Module):
         sparse_v = write_rows(sparse_v, rows, vs.reshape(-1, u), mode.inplace)
         scale = ctx.rope.sparse_factor / math.sqrt(u)
         kc, vc = (c.view(B * L, T + 1, u) for c in (sparse_k, sparse_v))
-        if mode.per_token:  # gathers the first P slots of its K caches itself
-            ys = attend_gathered(qs, kc, vc, head, slot, ctx.slots, scale)
+        if mode.per_token:  # the first P slots of each token's K caches, gathered
+            ys = attend_gathered(qs, *self.bea.prefix(kc, vc, head, ctx.slots.shape[0]), slot, ctx.slots, scale)
         else:
             # the first P slots of each cache (`StepContext.slots`); not sliced in an export of the
             # whole cache (a copy in ExecuTorch), and no test of P under Dynamo (a dynamic size)

@@ -1,5 +1,5 @@
 """The compiled StaticDecoder's own fast paths and host checks, against plain math: `RowLinear`
-and `RowExperts` (values, repacking after a weight changed), the top-k as ranks, a compiled
+and `RowExperts` (values, repacking after a weight changed, the caches' prefixes), the top-k as ranks, a compiled
 decoder following weight changes and never altering the caller's model, and its weights checked
 once per kind of step inside `generate` (`steady`)."""
 
@@ -96,6 +96,28 @@ def test_row_experts_project_equals_experts(dtype, tol):
     for h, idx in ((h, idx), (h[:, :2], idx[:, :2])):
         for g, w in zip(row.project(h, idx), want(h, idx)):
             torch.testing.assert_close(g.float(), w, atol=tol * d ** 0.5, rtol=tol)
+
+
+def test_cache_prefixes_by_row_and_by_block_are_each_querys_first_slots():
+    """Both gathers of the per-token attention (`BEA.prefix` by row index for the exports,
+    `RowExperts.prefix` by whole cache for the compiled steps), eager and compiled with P
+    dynamic, against slicing each query's own cache in a Python loop; repeated caches and P
+    from one slot to all of them."""
+    from shram_static.attention import prefix_blocks, prefix_rows
+
+    gen = torch.Generator().manual_seed(4)
+    B, L, S, u, C, K = 2, 4, 9, 8, 3, 2
+    k, v = torch.randn(2, B * L, S, u, generator=gen)
+    head = torch.randint(0, B * L, (B, C, K), generator=gen)
+    head[0, 0] = head[0, 0, 0]  # one query's K caches the same one
+    assert RowExperts.prefix is prefix_blocks and BEA.prefix is prefix_rows
+    for f in (prefix_rows, prefix_blocks):
+        compiled = torch.compile(f, fullgraph=True, dynamic=True)
+        for P in (1, 4, S):
+            want = [torch.stack([c[h, :P] for h in head.reshape(-1).tolist()]).view(B, C, K, P, u) for c in (k, v)]
+            for g in (f, compiled):
+                got = g(k, v, head, P)
+                assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, want)), (f.__name__, P)
 
 
 def test_compiled_decoder_follows_weight_changes():
@@ -248,44 +270,6 @@ def test_two_compiled_decoders_interleaved_run_their_own_graphs():
     for t in range(9):  # decode steps only: one compile per decoder
         for d, i, w in zip(decs, ids, want):
             torch.testing.assert_close(d.decode(i[:, t]), w[:, t], atol=TOL, rtol=0)
-
-
-def test_inline_layers_unrolls_the_step_and_puts_the_nested_region_back():
-    """`benchmarks/inductor_options.py --inline-layers`: a step traced inside `inlined_layers()`
-    calls every layer inline (no `invoke_subgraph` in Dynamo's graph), one traced outside it
-    calls the nested region per layer, and the nested region is put back after the block,
-    also when the block raises."""
-    from helpers import load_benchmark, tiny_model
-    from shram_static import step as S
-
-    bench = load_benchmark("inductor_options")
-    model = tiny_model()  # two layers (Dynamo inlines a region called once)
-    nested = S._nested_layer_step
-
-    def subgraph_calls(inline: bool) -> int:
-        graphs = []
-
-        def capture(gm, _inputs):
-            graphs.append(gm)
-            return gm.forward
-
-        torch._dynamo.reset()
-        step = StaticDecoder(model, prefill_chunk=4).module  # the step module a decoder compiles
-        with bench.inlined_layers(inline), torch.no_grad():  # as the decoder runs its steps
-            torch.compile(step, backend=capture, fullgraph=True)(
-                torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-                torch.ones(1, 1, dtype=torch.bool))
-        return sum("invoke_subgraph" in str(n.target) for g in graphs for n in g.graph.nodes)
-
-    layers = model.config.num_decoder_layers
-    assert subgraph_calls(False) == layers
-    assert subgraph_calls(True) == 0
-    assert S._nested_layer_step is nested
-    with pytest.raises(KeyError), bench.inlined_layers():
-        assert S._nested_layer_step is S._layer_step
-        raise KeyError("inside")
-    assert S._nested_layer_step is nested
-    torch._dynamo.reset()
 
 
 def test_cpp_wrapper_option_unrolls_the_layers():
