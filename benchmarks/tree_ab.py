@@ -3,9 +3,9 @@ process of its own, timed in turn round by round (the order reversed every round
 
 What a change to the host code or the compiled step costs when no switch turns it off (a
 commit against its parent, each checked out with `git worktree add`). Per round each worker
-prefills 64 tokens (`--context`), times 12 decode steps and 6 verify steps of 5 tokens (each rolled back),
-then one `generate` (400 tokens on the built-in model, 40 on the bench model). Prints each
-figure's medians and new/old (above 1: the new checkout is slower).
+prefills 64 tokens (`--context`), times 12 decode steps and 6 verify steps of 5 tokens (each
+rolled back), then one `generate` (400 tokens on the built-in model, 40 on the bench model).
+Prints each figure's medians and new/old (above 1: the new checkout is slower).
 
     python benchmarks/tree_ab.py OLD_DIR NEW_DIR [--model bench] [--rounds 8] [--quantize int8|int4]
         [--new-options '{"cpp_wrapper": true}'] [--context 800]
