@@ -87,8 +87,8 @@ def prefix_rows(sk: torch.Tensor, sv: torch.Tensor, head: torch.Tensor, P: int) 
 def prefix_blocks(sk: torch.Tensor, sv: torch.Tensor, head: torch.Tensor, P: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`prefix_rows`' values as a gather of whole caches, then their first P slots.
 
-    WHY for Inductor: the gather's index is one per cache, so the kernel reads each cache's slots
-    as strided vectors; by row index it loads the values lane by lane, and a step over a long
+    WHY for Inductor: the gather's index is one per cache, so the kernel loads each slot's u
+    values as one vector; by row index it loads them lane by lane, and a step over a long
     context pays for it (docs/performance.md). In an export it would copy K whole caches.
 
     Args, Returns: as `prefix_rows`.

@@ -82,7 +82,7 @@ class RowExperts(BEA):
         bea: the `BEA` whose weights it shares (not changed).
     """
 
-    prefix = staticmethod(prefix_blocks)  # each cache's slots read as vectors (`BEA.prefix`: by row)
+    prefix = staticmethod(prefix_blocks)  # a slot's values loaded as one vector (`BEA.prefix`: by row)
 
     def __init__(self, bea: BEA):
         nn.Module.__init__(self)
