@@ -13,7 +13,8 @@ from torch import nn
 from . import int_kernels
 from .backends import quantize_modes
 from .fast_layers import shared_copy, swap_children_, swap_linears_
-from .layers import LocalAttention, SwiGLU
+from .layers import BEA, LocalAttention, SwiGLU
+from .quantized_experts import Int8Experts
 
 QUANTIZE_MODES = quantize_modes("compiled")  # the `compiled-*` backends' modes
 GROUP = int_kernels.BLOCK  # inputs per weight scale (q4_0's and q8_0's block)
@@ -124,7 +125,8 @@ class FusedGateUp(SwiGLU):
 def quantize_linears_(model: nn.Module, mode: str) -> nn.Module:
     """Replaces every bias-free `nn.Linear` of `model` (a tied lm_head too) by an `Int8Linear` or
     `Int4Linear`, in place, the sliding-window q, k, v and the MLP's gate, up as one layer each
-    (`FusedQKVAttention`, `FusedGateUp`); the embedding, router and expert weights stay float.
+    (`FusedQKVAttention`, `FusedGateUp`), and every `BEA` by `Int8Experts` (int8 in either mode:
+    Inductor widens 4-bit values one nibble at a time); the embedding and router stay float.
 
     Args:
         model: a `ShramForCausalLM` copy (a `shared_copy`).
@@ -141,6 +143,7 @@ def quantize_linears_(model: nn.Module, mode: str) -> nn.Module:
     # the compiled step's Python wrapper (docs/performance.md, "Quantization")
     fused = {LocalAttention: FusedQKVAttention, SwiGLU: FusedGateUp}
     swap_children_(model, lambda c: fused[type(c)](c, layer) if type(c) in fused else None)
+    swap_children_(model, lambda c: Int8Experts(c) if type(c) is BEA else None)
     return swap_linears_(model, layer)
 
 

@@ -104,6 +104,50 @@ def test_fused_projections_equal_the_separate_layers(layer):
     assert type(att.q_proj) is torch.nn.Linear and type(mlp.gate_proj) is torch.nn.Linear
 
 
+def test_int8_experts_against_their_dequantized_weights():
+    """`Int8Experts`, eager and compiled: each token's K experts' q, k, v and the mixed output
+    against a float64 product with the int8 weights times their scales (1, FEW_ROWS / 2 and more
+    than FEW_ROWS tokens per row, one token with one expert K times), the uncached forward's
+    every-expert products too; the weights within int8 rounding of the float `BEA`'s, which the
+    module leaves untouched."""
+    from shram_static.fast_layers import FEW_ROWS
+    from shram_static.layers import BEA
+    from shram_static.quantized_experts import Int8Experts
+
+    gen = torch.Generator().manual_seed(5)
+    cfg = build_model("builtin").config
+    L, d, u, K = cfg.num_mosrah_heads, cfg.embedding_width, cfg.head_dim, cfg.num_selected_heads
+    bea = BEA(cfg).requires_grad_(False)
+    for w in bea.parameters():
+        w.copy_(torch.randn(w.shape, generator=gen))
+    before = [w.clone() for w in bea.parameters()]
+    ex = Int8Experts(bea)
+    wq = (ex.qkv_q.double() * ex.qkv_scale.double())  # (L, d, 3u)
+    wo = (ex.o_q.double() * ex.o_scale.double())  # (L, u, d)
+    full = torch.cat([bea.q_proj, bea.k_proj, bea.v_proj], -1).double()
+    assert ex.qkv_q.dtype == torch.int8 and ((wq - full).abs() <= ex.qkv_scale.double() / 2 + 1e-9).all()
+    assert ((wo - bea.o_proj.double()).abs() <= ex.o_scale.double() / 2 + 1e-9).all()
+    compiled = torch.compile(ex.project, fullgraph=True, dynamic=False)
+    for C in (1, FEW_ROWS // 2, 16):
+        h = torch.randn(2, C, d, generator=gen)
+        idx = torch.randint(0, L, (2, C, K), generator=gen)
+        idx[0, 0] = idx[0, 0, 0]
+        want = torch.einsum("bcd,bckdu->bcku", h.double(), wq[idx])  # (B, C, K, 3u)
+        for f in (ex.project, compiled):
+            got = torch.cat(f(h, idx), -1)
+            torch.testing.assert_close(got.double(), want, atol=1e-4 * d ** 0.5, rtol=1e-4)
+        y, P = torch.randn(2, C, K, u, generator=gen), torch.rand(2, C, K, generator=gen)
+        want_o = torch.einsum("bck,bcku,bckud->bcd", P.double(), y.double(), wo[idx])
+        torch.testing.assert_close(ex.output(y, P, idx).double(), want_o, atol=1e-4 * d ** 0.5, rtol=1e-4)
+    h, w = torch.randn(2, 5, d, generator=gen), torch.rand(2, 5, L, generator=gen)
+    want_all = torch.einsum("bnd,ldu->blnu", h.double(), wq)
+    torch.testing.assert_close(torch.cat(ex.project_all(h), -1).double(), want_all, atol=1e-4 * d ** 0.5, rtol=1e-4)
+    y = torch.randn(2, L, 5, u, generator=gen)
+    torch.testing.assert_close(ex.output_all(y, w).double(), torch.einsum("blnu,lud,bnl->bnd", y.double(), wo, w.double()),
+                               atol=1e-4 * d ** 0.5, rtol=1e-4)
+    assert all(torch.equal(a, b) for a, b in zip(before, bea.parameters()))
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_bits_per_byte_of_held_out_text(builtin, mode):
     """The transformers path (`quantized_model`, uncached forward) and the static eager decoder

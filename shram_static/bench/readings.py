@@ -24,7 +24,7 @@ def measure_bandwidth(x: torch.Tensor | None = None, reps: int = 5) -> float:
 
 
 def decode_read_bytes(model, batch_size: int, prefill_chunk: int, quantize: str | None = None,
-                      float_experts: bool = False) -> int:
+                      int8_experts: bool = False) -> int:
     """Bytes one decode step must read: the weights (B embedding rows, K experts), the cache rows attended.
 
     Args:
@@ -32,8 +32,8 @@ def decode_read_bytes(model, batch_size: int, prefill_chunk: int, quantize: str 
         batch_size, prefill_chunk: the step's B and C (the local ring holds window + C - 1 slots).
         quantize: None, or the weight quantization ("int8", "8da4w", "int4"): linear weights count
             as stored (`export/quantize.py`); norms, gates, the router and the state stay float.
-        float_experts: the expert weights stay float under `quantize` (the compiled quantized
-            decoders: `quantized.quantize_linears_`).
+        int8_experts: under `quantize`, the expert weights as int8 with a scale per expert and
+            output (the compiled quantized decoders: `quantized_experts.Int8Experts`).
     """
     cfg = model.config
     es = next(model.parameters()).element_size()
@@ -41,8 +41,10 @@ def decode_read_bytes(model, batch_size: int, prefill_chunk: int, quantize: str 
     group = 32  # export.quantize.GROUP (not imported: this module sits below the exporters)
 
     def linear(out: int, inp: int, expert: bool = False) -> float:
-        if quantize is None or (expert and float_experts):
+        if quantize is None:
             return out * inp * es
+        if expert and int8_experts:
+            return out * inp + out * es
         if quantize == "int4" or (quantize == "8da4w" and inp % group == 0 and not expert):
             return out * inp / 2 + out * (inp // group) * es
         return out * inp + out * es  # int8, one scale per output channel
