@@ -74,8 +74,7 @@ def pack_rows(weight: torch.Tensor) -> torch.Tensor:
 class RowExperts(BEA):
     """`BEA` for the compiled steps on CPU, with its own copy of q, k and v side by side (L, d, 3u).
 
-    `project` sums h times each token's K gathered (d, 3u) blocks in fp32, vectorized over contiguous
-    weights (Inductor loads `BEA.project`'s einsum lane by lane); `prefix` gathers whole caches
+    `project` is `expert_products` over that copy; `prefix` gathers whole caches
     (`attention.prefix_blocks`). `repack()` after a weight changed.
 
     Args:
@@ -102,18 +101,46 @@ class RowExperts(BEA):
         _refill(self, "qkv", self._pack())
 
     def project(self, h: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """See `BEA.project`. Over FEW_ROWS tokens per row (prefill), every expert as one batched
-        matmul and each token's K outputs picked: the weights read once per chunk."""
-        B, C, d = h.shape
-        u = self.q_proj.shape[-1]
-        if C > FEW_ROWS:
-            y = torch.matmul(h.reshape(1, B * C, d), self.qkv)  # (L, BC, 3u)
-            pick = idx.reshape(B * C, -1, 1).expand(-1, -1, 3 * u)  # (BC, K, 3u)
-            y = y.transpose(0, 1).gather(1, pick).view(B, C, -1, 3 * u)  # (B, C, K, 3u)
-        else:
-            w = gather_experts(self.qkv, idx).float()  # (B, C, K, d, 3u)
-            y = (h.float()[:, :, None, :, None] * w).sum(-2).to(h.dtype)  # (B, C, K, 3u)
-        return y[..., :u], y[..., u:2 * u], y[..., 2 * u:]
+        """See `BEA.project` (`expert_products` over the packed copy)."""
+        return expert_products(h, idx, self.qkv)
+
+
+def expert_products(h: torch.Tensor, idx: torch.Tensor, qkv: torch.Tensor,
+                    scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of each token's K selected experts from their weights side by side.
+
+    Up to FEW_ROWS tokens per row, each token's K (d, 3u) blocks summed in fp32, vectorized over
+    contiguous weights (Inductor loads `BEA.project`'s einsum lane by lane); more (a prefill
+    chunk), every expert as one batched matmul and each token's K outputs picked: the weights read
+    once per chunk.
+
+    Args:
+        h: (B, C, d) normed hidden states.
+        idx: (B, C, K) the selected experts.
+        qkv: (L, d, 3u) float weights, or int8 ones with `scale`.
+        scale: (L, 1, 3u) the int8 weights' scale per expert and output; None for float weights.
+
+    Returns:
+        q, k, v, (B, C, K, u) each, in h's dtype.
+    """
+    B, C, d = h.shape
+    if C > FEW_ROWS:
+        w = qkv if scale is None else (qkv.float() * scale).to(h.dtype)
+        y = torch.matmul(h.reshape(1, B * C, d), w)  # (L, BC, 3u)
+        pick = idx.reshape(B * C, -1, 1).expand(-1, -1, y.shape[-1])  # (BC, K, 3u)
+        y = y.transpose(0, 1).gather(1, pick).view(B, C, -1, y.shape[-1])  # (B, C, K, 3u)
+    else:
+        y = (h.float()[:, :, None, :, None] * gather_experts(qkv, idx).float()).sum(-2)  # (B, C, K, 3u)
+        if scale is not None:  # after the sum: one product per output, not per weight
+            y = y * gather_experts(scale, idx)[..., 0, :]
+        y = y.to(h.dtype)
+    return qkv_thirds(y)
+
+
+def qkv_thirds(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(..., 3u) -> its q, k and v thirds, (..., u) each."""
+    u = y.shape[-1] // 3
+    return y[..., :u], y[..., u:2 * u], y[..., 2 * u:]
 
 
 def _refill(module: nn.Module, name: str, new: torch.Tensor) -> None:

@@ -178,10 +178,14 @@ class BEA(nn.Module):
         """Every expert's outputs y (B, L, N, u) mixed by w (B, N, L) -> (B, N, d)."""
         return torch.einsum("blnu,lud,bnl->bnd", y, self.o_proj, w)
 
+    def output_blocks(self, idx: torch.Tensor) -> torch.Tensor:
+        """Each token's K o_proj blocks: idx (B, C, K) -> (B, C, K, u, d)."""
+        return gather_experts(self.o_proj, idx)
+
     def output(self, y: torch.Tensor, P: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """sum_k P_k y_k o_proj[idx_k]: y (B, C, K, u), P (B, C, K), idx (`select`) -> (B, C, d)."""
         B, C, K, u = y.shape
-        wo = gather_experts(self.o_proj, idx).view(B * C, K * u, -1)  # (BC, K*u, d)
+        wo = self.output_blocks(idx).to(y.dtype).view(B * C, K * u, -1)  # (BC, K*u, d)
         return torch.bmm((y * P[..., None]).reshape(B * C, 1, K * u), wo).view(B, C, -1)
 
 

@@ -141,9 +141,9 @@ def quantize_linears_(model: nn.Module, mode: str) -> nn.Module:
     layer = {"int8": Int8Linear, "int4": Int4Linear}[mode]
     # the projections that read the same input as one layer each: every integer op is a call from
     # the compiled step's Python wrapper (docs/performance.md, "Quantization")
-    fused = {LocalAttention: FusedQKVAttention, SwiGLU: FusedGateUp}
-    swap_children_(model, lambda c: fused[type(c)](c, layer) if type(c) in fused else None)
-    swap_children_(model, lambda c: Int8Experts(c) if type(c) is BEA else None)
+    swaps = {LocalAttention: lambda c: FusedQKVAttention(c, layer), SwiGLU: lambda c: FusedGateUp(c, layer),
+             BEA: Int8Experts}
+    swap_children_(model, lambda c: swaps[type(c)](c) if type(c) in swaps else None)
     return swap_linears_(model, layer)
 
 
