@@ -54,7 +54,7 @@ def profile(model, batch_size: int, context: int, steps: int, top: int, verify: 
     print(f"  self CPU ms/step total {sum(r[0] for r in rows):.2f}")
     if not verify:  # the decode step against its floor, the bandwidth read right after it
         from shram_static.bench.readings import decode_read_bytes, measure_bandwidth
-        floor = 1e3 * decode_read_bytes(model, B, 32, quantize, int8_experts=True) / measure_bandwidth()
+        floor = 1e3 * decode_read_bytes(model, B, 32, quantize, compiled_ops=True) / measure_bandwidth()
         kernels = sum(ms for ms, _, key in rows if "cpp_fused" in key or "shram_static::" in key)
         print(f"  floor {floor:.2f} ms: the step {wall / floor:.2f}x it, its C++ kernels ({kernels:.2f} ms) "
               f"{kernels / floor:.2f}x")

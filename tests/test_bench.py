@@ -67,7 +67,8 @@ def test_a_quantized_floor_counts_the_linear_weights_as_stored(tied):
     """The int8 and 8da4w floors against a count by parameter name: each linear weight the
     step reads (projections, K of L experts, the head) at 1 byte (int8) or half a byte (int4
     groups of 32 inputs, experts excluded) plus an fp32 scale per output channel or group; with
-    `int8_experts` (the compiled quantized decoders) int4 layers and int8 experts."""
+    `compiled_ops` (the compiled quantized decoders) each linear's buffers as `int_kernels.pack`
+    makes them and int8 experts."""
     from shram_static.export.quantize import GROUP
     from shram_static.bench.readings import decode_read_bytes
 
@@ -85,11 +86,17 @@ def test_a_quantized_floor_counts_the_linear_weights_as_stored(tied):
     W = sum(n for n, *_ in weights)
     flt = decode_read_bytes(model, 1, 8)
     assert decode_read_bytes(model, 1, 8, "int8") == flt - 4 * W + W + 4 * sum(o for _, o, _, _ in weights)
-    # the compiled quantized decoders: int4 layers, int8 experts with a scale per expert output
-    four_d = [(n, o, i) for n, o, i, e in weights if not e]
-    eight_e = [(n, o) for n, o, i, e in weights if e]
-    assert decode_read_bytes(model, 1, 8, "int4", int8_experts=True) == int(
-        flt - 4 * W + sum(n / 2 + 4 * o * (i // GROUP) for n, o, i in four_d) + sum(n + 4 * o for n, o in eight_e))
+    # the compiled quantized decoders: each linear's packed weight and fp16 scales as the ops
+    # store them, int8 experts with a scale per expert output
+    from shram_static.int_kernels import pack
+    eight_e = sum(n + 4 * o for n, o, i, e in weights if e)
+    for mode, bits in (("int4", 4), ("int8", 8)):
+        packed = 0
+        for n, o, i, e in weights:
+            if not e:
+                w, s = pack(torch.zeros(o, -(-i // GROUP) * GROUP), torch.zeros(o, -(-i // GROUP)), bits)
+                packed += w.numel() + 2 * s.numel()
+        assert decode_read_bytes(model, 1, 8, mode, compiled_ops=True) == int(flt - 4 * W + packed + eight_e), mode
     four = [(n, o, i) for n, o, i, e in weights if i % GROUP == 0 and not e]  # the exporter's int4 groups
     eight = [(n, o) for n, o, i, e in weights if not (i % GROUP == 0 and not e)]
     assert decode_read_bytes(model, 1, 8, "8da4w") == int(

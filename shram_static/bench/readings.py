@@ -24,7 +24,7 @@ def measure_bandwidth(x: torch.Tensor | None = None, reps: int = 5) -> float:
 
 
 def decode_read_bytes(model, batch_size: int, prefill_chunk: int, quantize: str | None = None,
-                      int8_experts: bool = False) -> int:
+                      compiled_ops: bool = False) -> int:
     """Bytes one decode step must read: the weights (B embedding rows, K experts), the cache rows attended.
 
     Args:
@@ -32,19 +32,25 @@ def decode_read_bytes(model, batch_size: int, prefill_chunk: int, quantize: str 
         batch_size, prefill_chunk: the step's B and C (the local ring holds window + C - 1 slots).
         quantize: None, or the weight quantization ("int8", "8da4w", "int4"): linear weights count
             as stored (`export/quantize.py`); norms, gates, the router and the state stay float.
-        int8_experts: under `quantize`, the expert weights as int8 with a scale per expert and
-            output (the compiled quantized decoders: `quantized_experts.Int8Experts`).
+        compiled_ops: under `quantize`, the layout of the compiled quantized decoders instead of
+            the exporters': each linear as `int_kernels.pack` stores it (4 or 8 bits, outputs
+            padded to blocks of 16, an fp16 scale per 32 inputs) and the experts as int8 with a
+            scale per expert and output (`quantized_experts.Int8Experts`).
     """
     cfg = model.config
     es = next(model.parameters()).element_size()
     K = cfg.num_selected_heads
-    group = 32  # export.quantize.GROUP (not imported: this module sits below the exporters)
+    group = 32  # export.quantize.GROUP and int_kernels.BLOCK (not imported: they build or export)
+    lanes = 16  # int_kernels.LANES: outputs per packed block
 
     def linear(out: int, inp: int, expert: bool = False) -> float:
         if quantize is None:
             return out * inp * es
-        if expert and int8_experts:
-            return out * inp + out * es
+        if compiled_ops:
+            if expert:
+                return out * inp + out * es
+            n, g = -(-out // lanes) * lanes, -(-inp // group)  # padded outputs, input blocks
+            return n * g * group * (4 if quantize == "int4" else 8) / 8 + n * g * 2
         if quantize == "int4" or (quantize == "8da4w" and inp % group == 0 and not expert):
             return out * inp / 2 + out * (inp // group) * es
         return out * inp + out * es  # int8, one scale per output channel

@@ -114,7 +114,7 @@ class Runner:
         self.info = dict(model=model_name, backend=backend, batch=B, chunk=prefill_chunk,
                          warmup_s=round(time.perf_counter() - t, 2),
                          read_bytes=decode_read_bytes(model, B, prefill_chunk, b.quantize,
-                                                      int8_experts=b.runtime not in EXPORTED),
+                                                      compiled_ops=b.runtime not in EXPORTED),
                          state_bytes=state_bytes(cfg, B, prefill_chunk), capacity=S,
                          contexts=depths or contexts(S, steps))
 
