@@ -1,6 +1,7 @@
 """Masked softmax attention that is safe on rows with no visible key, on every backend, and the
 two forms in which a static step attends the sparse caches (`attend_gathered` over the caches'
-prefixes gathered by `prefix_rows` or `prefix_blocks`, `attend_by_expert`)."""
+prefixes gathered by `prefix_rows` or `prefix_blocks`, or `with_own_rows` in a pure step;
+`attend_by_expert`)."""
 
 import torch
 
@@ -95,6 +96,29 @@ def prefix_blocks(sk: torch.Tensor, sv: torch.Tensor, head: torch.Tensor, P: int
     """
     u, h = sk.shape[-1], head.reshape(-1)
     return tuple(c.index_select(0, h)[:, :P].view(*head.shape, P, u) for c in (sk, sv))
+
+
+def with_own_rows(kg: torch.Tensor, vg: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
+                  wslot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode token's gathered caches, read before the step wrote them, with its own rows put in.
+
+    WHY: in a pure step (state in, state out: the ONNX graphs) whose runtime holds the state and
+    takes back only the written rows (the web module), the caches are then read without being
+    written, and onnxruntime need not copy them whole to write a few rows (docs/web.md).
+
+    Args:
+        kg, vg: (B, 1, K, P, u) the first P slots of the token's K caches before this step.
+        ks, vs: (B, 1, K, u) the rows the step writes, at slots `wslot`.
+        wslot: (B, 1, K) their slots: below P for a live token; a dead token's (the sink) is
+            clamped into its own copies, whose attention nothing reads.
+
+    Returns:
+        kg, vg with the rows in, as gathered after the write.
+    """
+    B, C, K, P, u = kg.shape
+    at = torch.arange(B * C * K, device=kg.device) * P + wslot.reshape(-1).clamp(max=P - 1)  # (B*K,)
+    return tuple(g.reshape(-1, u).index_put((at,), r.reshape(-1, u)).view(B, C, K, P, u)
+                 for g, r in ((kg, ks), (vg, vs)))
 
 
 def attend_gathered(qs: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor,

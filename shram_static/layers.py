@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import attend_by_expert, attend_gathered, masked_attention, prefix_rows
+from .attention import attend_by_expert, attend_gathered, masked_attention, prefix_rows, with_own_rows
 from .config import ShramConfig
 from .reductions import exclusive_cumsum, mean_last
 from .rope import apply_rope
@@ -22,6 +22,9 @@ class StepMode(NamedTuple):
     inplace: bool  # write the state buffers in place (False: return new ones, for ONNX)
     # a few tokens per row (decode, verify): gathered caches and fused reductions; else by expert
     per_token: bool
+    # a pure step whose runtime takes back only the written rows (the web graphs): a decode step
+    # reads its caches as passed in, its own rows put in (`with_own_rows`)
+    rows_out: bool = False
 
 
 class StepContext(NamedTuple):
@@ -232,12 +235,16 @@ class MoSRAH(nn.Module):
         # main_sequence: the step's shared rows; semantic_sequence: at the index in S_l (B, C, K, u)
         cos, sin = (ctx.main_cos, ctx.main_sin) if ctx.main_cos is not None else ctx.rope.sparse(slot)
         qs, ks = apply_rope(qs, cos, sin), apply_rope(ks, cos, sin)
+        before = (sparse_k, sparse_v) if mode.rows_out and C == 1 else None  # `StepMode.rows_out`
         sparse_k = write_rows(sparse_k, rows, ks.reshape(-1, u), mode.inplace)
         sparse_v = write_rows(sparse_v, rows, vs.reshape(-1, u), mode.inplace)
         scale = ctx.rope.sparse_factor / math.sqrt(u)
-        kc, vc = (c.view(B * L, T + 1, u) for c in (sparse_k, sparse_v))
+        kc, vc = (c.view(B * L, T + 1, u) for c in (before or (sparse_k, sparse_v)))
         if mode.per_token:  # the first P slots of each token's K caches, gathered
-            ys = attend_gathered(qs, *self.bea.prefix(kc, vc, head, ctx.slots.shape[0]), slot, ctx.slots, scale)
+            kv = self.bea.prefix(kc, vc, head, ctx.slots.shape[0])
+            if before is not None:
+                kv = with_own_rows(*kv, ks, vs, wslot)
+            ys = attend_gathered(qs, *kv, slot, ctx.slots, scale)
         else:
             # the first P slots of each cache (`StepContext.slots`); not sliced in an export of the
             # whole cache (a copy in ExecuTorch), and no test of P under Dynamo (a dynamic size)

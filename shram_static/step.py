@@ -23,7 +23,7 @@ _nested_layer_step = torch.compiler.nested_compile_region(DecoderLayer.step)
 def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torch.Tensor,
          live: torch.Tensor, ring: int, inplace: bool, per_token_max: int = 1,
          last_only: bool = False, slots: torch.Tensor | None = None,
-         nested: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
+         nested: bool = True, rows_out: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Runs C tokens per row through the model, reading and updating the static state.
 
     Args:
@@ -40,6 +40,8 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
         slots: (P,) float32 `slot_numbers(T)[:P]`, the first P slots of each expert's cache
             attended (`state.prefix_len`); None: the whole cache.
         nested: compiled, each layer a nested compile region (False: the layers unrolled).
+        rows_out: a pure step (not `inplace`) whose caller keeps only the rows it writes
+            (`StepMode.rows_out`: the web site's decode graph).
 
     Returns:
         logits (B, C, V) (unspecified at dead tokens; (B, 1, V) with `last_only`, unspecified
@@ -51,7 +53,7 @@ def step(model, state: list[torch.Tensor], tokens: torch.Tensor, input_pos: torc
         raise ValueError(f"inference_sequence_length must be below 2**24, got {cfg.inference_sequence_length}")
     if C > ring - cfg.window_size + 1:
         raise ValueError(f"a step of {C} tokens needs a ring of at least window + {C} - 1 slots, got {ring}")
-    mode = StepMode(inplace, C <= per_token_max)
+    mode = StepMode(inplace, C <= per_token_max, rows_out)
     x = model.embed_tokens(tokens)  # (B, C, d)
     ctx = context(model, live, input_pos, ring, state[0].shape[0] // B - 1, mode, x.dtype, slots)
     compiling = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
@@ -140,11 +142,13 @@ class FunctionalStep(nn.Module):
         per_token_max: as in `StepModule`.
         last_only: return the logits at each row's last live token only, (B, 1, V) (`step`).
         prefix: P, the first P sparse slots attended (`step`'s slots); None: all.
+        rows_out: its caller keeps only the rows it writes (`step`'s rows_out).
     """
 
     def __init__(self, model, state: StaticState, per_token_max: int = 1, last_only: bool = False,
-                 prefix: int | None = None):
+                 prefix: int | None = None, rows_out: bool = False):
         super().__init__()
+        self.rows_out = rows_out
         # a constant of the exported graph
         self.slots = None if prefix is None else slot_numbers(model.config.mosrah_cache_length)[:prefix]
         self.model = model
@@ -156,5 +160,6 @@ class FunctionalStep(nn.Module):
                 *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(tokens, input_pos, live, *state) -> (logits, *new_state)."""
         logits, new_state = step(self.model, list(state), tokens, input_pos, live, self.ring, inplace=False,
-                                 per_token_max=self.per_token_max, last_only=self.last_only, slots=self.slots)
+                                 per_token_max=self.per_token_max, last_only=self.last_only, slots=self.slots,
+                                 rows_out=self.rows_out)
         return (logits, *new_state)

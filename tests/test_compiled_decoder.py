@@ -118,6 +118,33 @@ def test_cache_prefixes_by_row_and_by_block_are_each_querys_first_slots():
             assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, want)), (f.__name__, P)
 
 
+def test_a_pure_decode_step_puts_its_rows_into_the_caches_it_read():
+    """`with_own_rows` (the ONNX graphs' decode step: the caches read as passed in, the token's
+    K rows put in) against writing the rows into copies of the caches and slicing each query's
+    first P slots in a Python loop. A live token's slots lie below P; a dead one writes to the
+    sink, slot S - 1: with P = S (the web site's whole caches) both rows equal the loop's, with
+    P < S the live row does (the dead token's own copies are not read)."""
+    from shram_static.attention import prefix_rows, with_own_rows
+
+    gen = torch.Generator().manual_seed(5)
+    B, L, S, u, K = 2, 4, 9, 8, 2
+    k, v = torch.randn(2, B * L, S, u, generator=gen)
+    ks, vs = torch.randn(2, B, 1, K, u, generator=gen)
+    head = torch.tensor([[[1, 3]], [[6, 4]]])  # (B, 1, K): each row's own experts
+    for P in (S, 5):
+        wslot = torch.tensor([[[2, 4]], [[S - 1, S - 1]]])  # row 1 dead: the sink
+        kw, vw = k.clone(), v.clone()
+        for b in range(B):
+            for j in range(K):
+                kw[head[b, 0, j], wslot[b, 0, j]] = ks[b, 0, j]
+                vw[head[b, 0, j], wslot[b, 0, j]] = vs[b, 0, j]
+        want = [torch.stack([c[h, :P] for h in head.reshape(-1).tolist()]).view(B, 1, K, P, u) for c in (kw, vw)]
+        got = with_own_rows(*prefix_rows(k, v, head, P), ks, vs, wslot)
+        rows = B if P == S else 1
+        assert all(torch.equal(a[:rows], b[:rows]) for a, b in zip(got, want)), P
+        assert not torch.equal(prefix_rows(k, v, head, P)[0][:1], want[0][:1])  # the rows are new ones
+
+
 def test_compiled_decoder_follows_weight_changes():
     """Weights changed after a compiled decoder was built, in place (as `load_state_dict`
     writes them) or replaced by new tensors (`.data`), are what its next prefill, decode and

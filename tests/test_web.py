@@ -62,7 +62,7 @@ def sites(tmp_path_factory):
 @pytest.fixture(scope="module")
 def traced_once():
     """Within the module, `export_onnx` traces each of the built-in model's float graphs once:
-    a later export of the same step (chunk length, last-token logits, rows, rollback) gets a
+    a later export of the same step (chunk length, last-token logits, rows, the mode, rollback) gets a
     copy of the graph the first one traced. Both sites export `default_model()`, so the int4
     site quantizes the very float graphs the fp32 site holds, as one `export_web(quantize=...)`
     quantizes the graphs it traced; tracing them again would cost ~20 s and check nothing more."""
@@ -73,7 +73,8 @@ def traced_once():
     traced, trace = {}, onnx_export._export_graph
 
     def once(fn, state, C, lengths=()):
-        key = (C, fn.last_only, fn.per_token_max, state.batch_size, state.rollback_limit, tuple(lengths))
+        key = (C, fn.last_only, fn.per_token_max, fn.rows_out, state.batch_size, state.rollback_limit,
+               tuple(lengths))
         if key not in traced:
             traced[key] = trace(fn, state, C, lengths).SerializeToString()
         return onnx_lib.ModelProto.FromString(traced[key])  # a copy: the export edits its protos
@@ -145,7 +146,9 @@ def test_site_files(site):
 def test_row_writes_graphs_write_what_the_state_graphs_return(site):
     """The graphs onnxruntime-web runs return the rows each step writes; written into the state
     in order, they give exactly the next state the plain graph returns (onnxruntime, 6 decode
-    steps of real tokens, each checked)."""
+    steps of real tokens, each checked). The decode graph copies only the caches it attends
+    whole (the sliding window's): the expert caches it reads by row and the routes it only
+    writes have no `ScatterND` left (`with_own_rows`, unread nodes dropped)."""
     import numpy as np
     import onnxruntime as ort
 
@@ -154,6 +157,9 @@ def test_row_writes_graphs_write_what_the_state_graphs_return(site):
     plain = ort.InferenceSession(str(site / "model.onnx"))
     rows = ort.InferenceSession(str(site / "model.rows.onnx"))
     names = [s["name"] for s in m["state"]]
+    graph = onnx.load(str(site / "model.rows.onnx"), load_external_data=False).graph
+    copied = {n.input[0] for n in graph.node if n.op_type == "ScatterND" and n.input[0].startswith("past.")}
+    assert copied == {f"past.{n}" for n in names if n.endswith(("local_k", "local_v"))}
     assert [o.name for o in rows.get_outputs()] == ["logits", *[f"write.{n}.{p}" for n in names for p in ("index", "rows")]]
     state = {f"past.{n}": np.zeros(s["dims"], np.int64 if s["type"] == "int64" else np.float32)
              for n, s in zip(names, m["state"])}

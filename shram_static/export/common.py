@@ -47,14 +47,17 @@ def export_copy(model: nn.Module) -> nn.Module:
     return fuse_experts_(m)
 
 
-def graph_paths(path, verify: bool = False) -> dict[str, str]:
+def graph_paths(path, verify: bool = False, rows: bool = False) -> dict[str, str]:
     """The files of one export of `path` (`m.onnx`): {"decode": m.onnx, "prefill": m.prefill.onnx,
-    "data": m.onnx.data}, with `verify` also {"verify": m.verify.onnx}."""
+    "data": m.onnx.data}, with `verify` also {"verify": m.verify.onnx}, with `rows` also
+    {"decode_rows": m.rows.onnx} (`export_onnx(row_writes=True)`)."""
     path = os.fspath(path)
     stem = path[:-5] if path.endswith(".onnx") else path
     out = {"decode": path, "prefill": stem + ".prefill.onnx", "data": path + ".data"}
     if verify:
         out["verify"] = stem + ".verify.onnx"
+    if rows:
+        out["decode_rows"] = stem + ".rows.onnx"
     return out
 
 

@@ -34,7 +34,8 @@ class _SlotsStep(FunctionalStep):
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, live: torch.Tensor, slots: torch.Tensor,
                 *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
         logits, new_state = step(self.model, list(state), tokens, input_pos, live, self.ring, inplace=False,
-                                 per_token_max=self.per_token_max, last_only=self.last_only, slots=slots)
+                                 per_token_max=self.per_token_max, last_only=self.last_only, slots=slots,
+                                 rows_out=self.rows_out)
         return (logits, *new_state)
 
 
@@ -99,7 +100,7 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
                 eos_token_id: int | None = None, *, parallel: bool = True,
                 verify_len: int | None = None, full_logits: bool = False,
                 quantize: str | None = None, quantize_embedding: bool = False,
-                prefix_lengths=None) -> dict[str, str]:
+                prefix_lengths=None, row_writes: bool = False) -> dict[str, str]:
     """Writes the decode and prefill graphs and their shared weights (see module docstring).
 
     Args:
@@ -120,9 +121,15 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
         prefix_lengths: the prefix lengths of the sparse caches the graphs attend
             (`common.export_prefix_lengths`; () for whole-cache graphs): every graph takes
             `slots` [P] float32, P a dynamic size.
+        row_writes: also write `m.rows.onnx`, the decode step for a runtime that keeps the state
+            and takes back only the rows a step writes (`export_web`'s module): it reads the
+            expert caches before writing them (`StepMode.rows_out`), so once its outputs are the
+            written rows (`web.row_writes_graph`) onnxruntime no longer copies those caches whole.
+            Not a graph `load_onnx` runs.
 
     Returns:
-        The paths written, as `graph_paths(path, verify)` (without "prefill" when decode only).
+        The paths written, as `graph_paths(path, verify)` (without "prefill" when decode only,
+        "decode_rows" only with `row_writes`).
     """
     cfg: ShramConfig = model.config
     C = 1 if prefill_chunk is None else prefill_chunk
@@ -140,15 +147,20 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
     # Steps of more than one token attend expert by expert, as in `export_pte` (Gather copies too).
     kind = _SlotsStep if lengths else FunctionalStep
     fns = {last: kind(model, state, last_only=last).eval() for last in (False, True)}  # by last_only
-    paths = graph_paths(path, verify=True)
+    paths = graph_paths(path, verify=True, rows=True)
     os.makedirs(os.path.dirname(os.path.abspath(paths["decode"])), exist_ok=True)
     export_id = uuid.uuid4().hex  # ties the files of one export together
     # With `parallel`, the decode graph is exported in a forked process; it travels back as bytes.
     chunks = {"decode": 1} if prefill_chunk is None else {"decode": 1, "prefill": C}
     if verify_len is not None:
         chunks["verify"] = verify_len
-    jobs = {role: functools.partial(_export_graph, fns[role == "prefill" and not full_logits], state,
-                                    chunks[role], lengths) for role in reversed(chunks)}
+    roles = list(chunks)  # what `load_onnx` runs
+    if row_writes:
+        chunks["decode_rows"] = 1
+    step_of = {role: fns[role == "prefill" and not full_logits] for role in roles}
+    step_of["decode_rows"] = kind(model, state, rows_out=True).eval()
+    jobs = {role: functools.partial(_export_graph, step_of[role], state, chunks[role], lengths)
+            for role in reversed(chunks)}
     protos = accelerators.run_jobs(jobs, lambda m: m.SerializeToString(), onnx.ModelProto.FromString, parallel)
     models = {}
     for role, c in chunks.items():
@@ -158,7 +170,7 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
             m, n = quantize_graph(m, quantize, embedding=quantize_embedding)
             quantized = {"quantized_matmuls": n, "quantize_block": BLOCK, "accuracy_level": ACCURACY_LEVEL,
                          "quantized_embedding": quantize_embedding}
-        meta = {"format": ONNX_FORMAT, "role": role, "roles": list(chunks), "export_id": export_id,
+        meta = {"format": ONNX_FORMAT, "role": role, "roles": roles, "export_id": export_id,
                 "quantize": quantize, **quantized, "batch_size": batch_size, "prefill_chunk": C, "chunk": c,
                 "state_names": state.names(), "rollback_limit": state.rollback_limit,
                 "verify_len": verify_len, "full_logits": full_logits, "eos_token_id": eos_token_id,
@@ -170,7 +182,7 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
     for role, m in models.items():
         onnx.save(m, paths[role])
         onnx.checker.check_model(paths[role], full_check=True)  # by path: reads the data file too
-    for role in ("prefill", "verify"):
+    for role in ("prefill", "verify", "decode_rows"):
         if role not in chunks and os.path.exists(paths[role]):
             os.remove(paths[role])  # another export's graph: it must not pass for this one's
     return {role: paths[role] for role in (*chunks, "data")}

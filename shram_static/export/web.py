@@ -101,9 +101,32 @@ def row_writes_graph(src: str, dst: str) -> str:
             outputs.append(v)
     del g.output[:]
     g.output.extend(outputs)
+    _drop_unread(g)
     onnx.save(m, dst)
     onnx.checker.check_model(dst)  # by path: the weights' data file is found beside it
     return dst
+
+
+def _drop_unread(g) -> None:
+    """Removes the nodes of graph `g` whose outputs nothing reads (neither a node, nor a subgraph,
+    nor the graph's outputs). WHY: onnxruntime runs an unread node all the same; a row-writes
+    decode graph no longer reads the whole caches its `ScatterND`s write (`with_own_rows`), so
+    those copies go with them."""
+    def reads(node) -> set:
+        names = set(node.input)
+        for a in node.attribute:
+            for sub in [a.g] if a.HasField("g") else list(a.graphs):
+                for n in sub.node:
+                    names |= reads(n)
+        return names
+
+    wanted, kept = {o.name for o in g.output}, []
+    for n in reversed(g.node):
+        if any(o in wanted for o in n.output):
+            kept.append(n)
+            wanted |= reads(n)
+    del g.node[:]
+    g.node.extend(reversed(kept))
 
 
 def _tokenizer_entry(tok, out_dir: str) -> dict:
@@ -155,11 +178,12 @@ def export_web(model, tokenizer, out_dir, prefill_chunk: int | None = 32, *, par
     # whole-cache graphs (prefix_lengths=()): the module feeds no `slots` input
     paths = export_onnx(model, os.path.join(out_dir, "model.onnx"), batch_size=1, prefill_chunk=prefill_chunk,
                         eos_token_id=tokenizer.eos_token_id, parallel=parallel, full_logits=full_logits,
-                        quantize=quantize, quantize_embedding=quantize == "int4", prefix_lengths=())
+                        quantize=quantize, quantize_embedding=quantize == "int4", prefix_lengths=(),
+                        row_writes=True)
     for role in ("decode", "prefill"):
-        if role in paths:  # model.onnx -> model.rows.onnx, model.prefill.onnx -> model.rows.prefill.onnx
+        if role in paths:  # model.rows.onnx (traced for it) in place; model.prefill.onnx -> model.rows.prefill.onnx
             rows = os.path.join(out_dir, "model.rows" + os.path.basename(paths[role]).removeprefix("model"))
-            paths[f"{role}_rows"] = row_writes_graph(paths[role], rows)
+            paths[f"{role}_rows"] = row_writes_graph(paths.get(f"{role}_rows", paths[role]), rows)
             if quantize is not None:  # what onnxruntime-web runs: float MatMuls of weights dequantized at load
                 dq = rows.replace("model.rows", "model.rows.dq")
                 onnx.save(dequantized_matmuls(onnx.load(rows, load_external_data=False))[0], dq)
