@@ -155,10 +155,10 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
     if verify_len is not None:
         chunks["verify"] = verify_len
     roles = list(chunks)  # what `load_onnx` runs
+    step_of = {role: fns[role == "prefill" and not full_logits] for role in roles}
     if row_writes:
         chunks["decode_rows"] = 1
-    step_of = {role: fns[role == "prefill" and not full_logits] for role in roles}
-    step_of["decode_rows"] = kind(model, state, rows_out=True).eval()
+        step_of["decode_rows"] = kind(model, state, rows_out=True).eval()
     jobs = {role: functools.partial(_export_graph, step_of[role], state, chunks[role], lengths)
             for role in reversed(chunks)}
     protos = accelerators.run_jobs(jobs, lambda m: m.SerializeToString(), onnx.ModelProto.FromString, parallel)
