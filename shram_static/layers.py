@@ -173,13 +173,18 @@ class BEA(nn.Module):
         return tuple(torch.einsum("bcd,bckdu->bcku", h, gather_experts(w, idx))
                      for w in (self.q_proj, self.k_proj, self.v_proj))
 
+    def dense_weights(self) -> tuple[torch.Tensor, ...]:
+        """Every expert's q, k, v (L, d, u) and o (L, u, d) weights as the uncached forward
+        multiplies them (a quantized subclass: dequantized)."""
+        return self.q_proj, self.k_proj, self.v_proj, self.o_proj
+
     def project_all(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of every expert (the uncached forward): h (B, N, d) -> 3 x (B, L, N, u)."""
-        return tuple(torch.einsum("bnd,ldu->blnu", h, w) for w in (self.q_proj, self.k_proj, self.v_proj))
+        return tuple(torch.einsum("bnd,ldu->blnu", h, w.to(h.dtype)) for w in self.dense_weights()[:3])
 
     def output_all(self, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Every expert's outputs y (B, L, N, u) mixed by w (B, N, L) -> (B, N, d)."""
-        return torch.einsum("blnu,lud,bnl->bnd", y, self.o_proj, w)
+        return torch.einsum("blnu,lud,bnl->bnd", y, self.dense_weights()[3].to(y.dtype), w)
 
     def output_blocks(self, idx: torch.Tensor) -> torch.Tensor:
         """Each token's K o_proj blocks: idx (B, C, K) -> (B, C, K, u, d)."""

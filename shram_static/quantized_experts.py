@@ -47,12 +47,6 @@ class Int8Experts(BEA):
         """See `BEA.output_blocks`: dequantized as gathered."""
         return gather_experts(self.o_q, idx).float() * gather_experts(self.o_scale, idx)
 
-    def project_all(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """See `BEA.project_all` (the uncached forward)."""
-        w = self.qkv_q.float() * self.qkv_scale  # (L, d, 3u)
-        return qkv_thirds(torch.einsum("bnd,ldu->blnu", h.float(), w).to(h.dtype))
-
-    def output_all(self, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """See `BEA.output_all`."""
-        wo = self.o_q.float() * self.o_scale  # (L, u, d)
-        return torch.einsum("blnu,lud,bnl->bnd", y.float(), wo, w.float()).to(y.dtype)
+    def dense_weights(self) -> tuple[torch.Tensor, ...]:
+        """See `BEA.dense_weights`: the int8 weights times their scales, float32."""
+        return (*qkv_thirds(self.qkv_q.float() * self.qkv_scale), self.o_q.float() * self.o_scale)

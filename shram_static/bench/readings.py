@@ -8,6 +8,7 @@ import timeit
 import torch
 from torch import nn
 
+from ..int_kernels import BLOCK, LANES
 from ..layers import BEA
 
 
@@ -40,8 +41,7 @@ def decode_read_bytes(model, batch_size: int, prefill_chunk: int, quantize: str 
     cfg = model.config
     es = next(model.parameters()).element_size()
     K = cfg.num_selected_heads
-    group = 32  # export.quantize.GROUP and int_kernels.BLOCK (not imported: they build or export)
-    lanes = 16  # int_kernels.LANES: outputs per packed block
+    group = 32  # export.quantize.GROUP (not imported: this module sits below the exporters)
 
     def linear(out: int, inp: int, expert: bool = False) -> float:
         if quantize is None:
@@ -49,8 +49,8 @@ def decode_read_bytes(model, batch_size: int, prefill_chunk: int, quantize: str 
         if compiled_ops:
             if expert:
                 return out * inp + out * es
-            n, g = -(-out // lanes) * lanes, -(-inp // group)  # padded outputs, input blocks
-            return n * g * group * (4 if quantize == "int4" else 8) / 8 + n * g * 2
+            n, g = -(-out // LANES) * LANES, -(-inp // BLOCK)  # padded outputs, input blocks
+            return n * g * BLOCK * (4 if quantize == "int4" else 8) / 8 + n * g * 2  # fp16 scales
         if quantize == "int4" or (quantize == "8da4w" and inp % group == 0 and not expert):
             return out * inp / 2 + out * (inp // group) * es
         return out * inp + out * es  # int8, one scale per output channel

@@ -71,6 +71,7 @@ def row_writes_graph(src: str, dst: str) -> str:
     """
     import onnx
     from onnx import helper
+    from onnxscript.optimizer import remove_unused_nodes
 
     m = onnx.load(src, load_external_data=False)
     def types(g):
@@ -101,32 +102,12 @@ def row_writes_graph(src: str, dst: str) -> str:
             outputs.append(v)
     del g.output[:]
     g.output.extend(outputs)
-    _drop_unread(g)
+    # WHY: onnxruntime runs an unread node all the same; a row-writes decode graph no longer reads
+    # the whole caches its `ScatterND`s write (`attention.with_own_rows`), so those copies go
+    remove_unused_nodes(m)
     onnx.save(m, dst)
     onnx.checker.check_model(dst)  # by path: the weights' data file is found beside it
     return dst
-
-
-def _drop_unread(g) -> None:
-    """Removes the nodes of graph `g` whose outputs nothing reads (neither a node, nor a subgraph,
-    nor the graph's outputs). WHY: onnxruntime runs an unread node all the same; a row-writes
-    decode graph no longer reads the whole caches its `ScatterND`s write (`with_own_rows`), so
-    those copies go with them."""
-    def reads(node) -> set:
-        names = set(node.input)
-        for a in node.attribute:
-            for sub in [a.g] if a.HasField("g") else list(a.graphs):
-                for n in sub.node:
-                    names |= reads(n)
-        return names
-
-    wanted, kept = {o.name for o in g.output}, []
-    for n in reversed(g.node):
-        if any(o in wanted for o in n.output):
-            kept.append(n)
-            wanted |= reads(n)
-    del g.node[:]
-    g.node.extend(reversed(kept))
 
 
 def _tokenizer_entry(tok, out_dir: str) -> dict:
