@@ -83,7 +83,7 @@ def row_writes_graph(src: str, dst: str) -> str:
         typed = types(m.graph)
     g = m.graph
     made = {o: n for n in g.node for o in n.output}
-    outputs = []
+    outputs, renamed, named = [], {}, {o.name for o in g.output}
     for o in g.output:
         if not o.name.startswith("present."):
             outputs.append(o)
@@ -95,11 +95,22 @@ def row_writes_graph(src: str, dst: str) -> str:
                              f"cannot return its written rows")
         for part, value in (("index", n.input[1]), ("rows", n.input[2])):
             out = f"write.{name}.{part}"
-            g.node.append(helper.make_node("Identity", [value], [out], name=f"{out}.identity"))
             v = onnx.ValueInfoProto()
             v.CopyFrom(typed[value])
             v.name = out
             outputs.append(v)
+            if value in made and value not in renamed and value not in named:
+                renamed[value] = out  # the value itself takes the output's name
+            else:  # a graph input or output, or a value another output took (k and v share an index)
+                g.node.append(helper.make_node("Identity", [renamed.get(value, value)], [out],
+                                               name=f"{out}.identity"))
+    # WHY rename, not an Identity per output: onnxruntime runs each Identity as a kernel of its own
+    for node in g.node:
+        node.input[:] = [renamed.get(i, i) for i in node.input]
+        node.output[:] = [renamed.get(o, o) for o in node.output]
+    kept = [vi for vi in g.value_info if vi.name not in renamed]  # the outputs now type them
+    del g.value_info[:]
+    g.value_info.extend(kept)
     del g.output[:]
     g.output.extend(outputs)
     # WHY: onnxruntime runs an unread node all the same; a row-writes decode graph no longer reads
