@@ -58,6 +58,8 @@ def find_ort_web(where: str | None = None) -> Path:
 def row_writes_graph(src: str, dst: str) -> str:
     """Writes a copy of an `export_onnx` graph returning, instead of each `present.<name>`, the
     rows the step wrote: `write.<name>.index` ([n, 1] int64) and `write.<name>.rows` ([n, ...]).
+    Each written value is renamed to its output; an `Identity` returns one that is a graph input
+    or output, or that an earlier output already took (k and v write at one index).
 
     WHY: onnxruntime-web copies every output into a new JavaScript array after each run; the
     rows a step writes are a few KB, the whole state megabytes (docs/web.md).
