@@ -104,8 +104,7 @@ def row_writes_graph(src: str, dst: str) -> str:
             if value in made and value not in renamed and value not in named:
                 renamed[value] = out  # the value itself takes the output's name
             else:  # a graph input or output, or a value another output took (k and v share an index)
-                g.node.append(helper.make_node("Identity", [renamed.get(value, value)], [out],
-                                               name=f"{out}.identity"))
+                g.node.append(helper.make_node("Identity", [value], [out], name=f"{out}.identity"))
     # WHY rename, not an Identity per output: onnxruntime runs each Identity as a kernel of its own
     for node in g.node:
         node.input[:] = [renamed.get(i, i) for i in node.input]
