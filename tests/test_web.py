@@ -160,11 +160,13 @@ def test_row_writes_graphs_write_what_the_state_graphs_return(site):
     graph = onnx.load(str(site / "model.rows.onnx"), load_external_data=False).graph
     copied = {n.input[0] for n in graph.node if n.op_type == "ScatterND" and n.input[0].startswith("past.")}
     assert copied == {f"past.{n}" for n in names if n.endswith(("local_k", "local_v"))}
-    assert [o.name for o in rows.get_outputs()] == ["logits", *[f"write.{n}.{p}" for n in names for p in ("index", "rows")]]
-    # the written rows are their own values renamed; an Identity only for an index another cache's
-    # output already names (k and v, every layer's one position)
-    assert all(n.input[0].startswith("write.") and n.output[0].endswith(".index")
-               for n in graph.node if n.op_type == "Identity")
+    # every state's rows in three outputs, laid out by shram.json's `writes` (the graph's own
+    # `shram_writes`), each state's n rows of the width its dims give
+    props = {p.key: p.value for p in onnx.load(str(site / "model.rows.onnx"), load_external_data=False).metadata_props}
+    layout = m["writes"]["decode_rows"]
+    assert json.loads(props["shram_writes"]) == layout and [w["state"] for w in layout] == names
+    assert [o.name for o in rows.get_outputs()] == ["logits", "write.index", "write.rows.int64.2", "write.rows.float32.32"]
+    assert not [n for n in graph.node if n.op_type == "Identity"]
     state = {f"past.{n}": np.zeros(s["dims"], np.int64 if s["type"] == "int64" else np.float32)
              for n, s in zip(names, m["state"])}
     for pos, tok in enumerate(ByteTokenizer().encode("ROMEO: x")[:6]):
@@ -172,10 +174,10 @@ def test_row_writes_graphs_write_what_the_state_graphs_return(site):
         want = dict(zip([o.name for o in plain.get_outputs()], plain.run(None, feeds)))
         got = dict(zip([o.name for o in rows.get_outputs()], rows.run(None, feeds)))
         np.testing.assert_array_equal(got["logits"], want["logits"])
-        for n in names:
+        for n, w in zip(names, layout):
             new = state[f"past.{n}"].copy()
-            for i, r in zip(got[f"write.{n}.index"][:, 0], got[f"write.{n}.rows"]):
-                new[i] = r
+            for k in range(w["n"]):
+                new[got["write.index"][w["at"] + k, 0]] = got[w["rows"]][w["from"] + k]
             np.testing.assert_array_equal(new, want[f"present.{n}"], err_msg=n)
             state[f"past.{n}"] = new
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from ..tokenizer import TOKENIZER_FILE, ByteTokenizer
 from .onnx import export_onnx
 
-MANIFEST_FORMAT = "shram_static.web/1"
+MANIFEST_FORMAT = "shram_static.web/2"
 # onnxruntime-web's WASM-only build (module, loader, SIMD + threads binary) and its WebGPU build
 RUNTIME_FILES = ("ort.wasm.min.mjs", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm",
                  "ort.webgpu.min.mjs", "ort-wasm-simd-threaded.asyncify.mjs", "ort-wasm-simd-threaded.asyncify.wasm")
@@ -57,22 +57,26 @@ def find_ort_web(where: str | None = None) -> Path:
 
 def row_writes_graph(src: str, dst: str) -> str:
     """Writes a copy of an `export_onnx` graph returning, instead of each `present.<name>`, the
-    rows the step wrote: `write.<name>.index` ([n, 1] int64) and `write.<name>.rows` ([n, ...]).
-    Each written value is renamed to its output; an `Identity` returns one that is a graph input
-    or output, or that an earlier output already took (k and v write at one index).
+    rows the step wrote, every state's in a few outputs: `write.index` ([n, 1] int64, every
+    written row's index) and one `write.rows.<type>.<width>` per kind of row ([m, width]). The
+    copy's `shram_writes` metadata lays them out, per state in state order: `{"state", "at",
+    "n", "rows", "from"}`, its n indices at `at` of `write.index`, its rows at `from` of `rows`.
 
     WHY: onnxruntime-web copies every output into a new JavaScript array after each run; the
-    rows a step writes are a few KB, the whole state megabytes (docs/web.md).
+    rows a step writes are a few KB, the whole state megabytes. WHY few outputs: onnxruntime-node
+    and -web pay per output and per run, more than a Concat of the rows costs (docs/web.md).
 
     Args:
         src: the graph (its weights stay in the external data file it names).
         dst: where the copy goes (beside src, so the same data file serves both); returned.
 
     Raises:
-        ValueError: a `present.<name>` output that is not one ScatterND of `past.<name>`.
+        ValueError: a `present.<name>` output that is not one ScatterND of `past.<name>`, or
+            one whose written rows have no static shape.
     """
     import onnx
     from onnx import helper
+
     from onnxscript.optimizer import remove_unused_nodes
 
     m = onnx.load(src, load_external_data=False)
@@ -85,7 +89,7 @@ def row_writes_graph(src: str, dst: str) -> str:
         typed = types(m.graph)
     g = m.graph
     made = {o: n for n in g.node for o in n.output}
-    outputs, renamed, named = [], {}, {o.name for o in g.output}
+    outputs, index, groups, layout = [], [], {}, []
     for o in g.output:
         if not o.name.startswith("present."):
             outputs.append(o)
@@ -95,25 +99,24 @@ def row_writes_graph(src: str, dst: str) -> str:
         if n is None or n.op_type != "ScatterND" or n.input[0] != f"past.{name}":
             raise ValueError(f"{src}: output {o.name} is not a ScatterND of past.{name}; "
                              f"cannot return its written rows")
-        for part, value in (("index", n.input[1]), ("rows", n.input[2])):
-            out = f"write.{name}.{part}"
-            v = onnx.ValueInfoProto()
-            v.CopyFrom(typed[value])
-            v.name = out
-            outputs.append(v)
-            if value in made and value not in renamed and value not in named:
-                renamed[value] = out  # the value itself takes the output's name
-            else:  # a graph input or output, or a value another output took (k and v share an index)
-                g.node.append(helper.make_node("Identity", [value], [out], name=f"{out}.identity"))
-    # WHY rename, not an Identity per output: onnxruntime runs each Identity as a kernel of its own
-    for node in g.node:
-        node.input[:] = [renamed.get(i, i) for i in node.input]
-        node.output[:] = [renamed.get(o, o) for o in node.output]
-    kept = [vi for vi in g.value_info if vi.name not in renamed]  # the outputs now type them
-    del g.value_info[:]
-    g.value_info.extend(kept)
+        t = typed[n.input[2]].type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+        if not dims or None in dims:
+            raise ValueError(f"{src}: the rows written to {o.name} have no static shape ({dims}); "
+                             f"cannot lay them out in the row-writes outputs")
+        rows = f"write.rows.{_ONNX_TYPES[t.elem_type]}.{'x'.join(map(str, dims[1:]))}"
+        group = groups.setdefault(rows, (t.elem_type, dims[1:], []))
+        layout.append({"state": name, "at": sum(c for _, c in index), "n": dims[0], "rows": rows,
+                       "from": sum(c for _, c in group[2])})
+        index.append((n.input[1], dims[0]))
+        group[2].append((n.input[2], dims[0]))
+    for out, values, et, trail in [("write.index", index, onnx.TensorProto.INT64, [1]),
+                                   *((r, v, et, tr) for r, (et, tr, v) in groups.items())]:
+        g.node.append(helper.make_node("Concat", [v for v, _ in values], [out], name=f"{out}.concat", axis=0))
+        outputs.append(helper.make_tensor_value_info(out, et, [sum(c for _, c in values), *trail]))
     del g.output[:]
     g.output.extend(outputs)
+    helper.set_model_props(m, {**{p.key: p.value for p in m.metadata_props}, "shram_writes": json.dumps(layout)})
     # WHY: onnxruntime runs an unread node all the same; a row-writes decode graph no longer reads
     # the whole caches its `ScatterND`s write (`attention.with_own_rows`), so those copies go
     remove_unused_nodes(m)
@@ -192,6 +195,9 @@ def export_web(model, tokenizer, out_dir, prefill_chunk: int | None = 32, *, par
             del m.graph.value_info[:]
             onnx.save(m, p)
     graph = onnx.load(paths["decode"], load_external_data=False).graph
+    # where each state's written rows lie in a row-writes graph's outputs (its dq copy's alike)
+    writes = {role: json.loads({p.key: p.value for p in onnx.load(paths[role], load_external_data=False)
+                                .metadata_props}["shram_writes"]) for role in ("decode_rows", "prefill_rows") if role in paths}
     state = [{"name": i.name.removeprefix("past."), "type": _ONNX_TYPES[i.type.tensor_type.elem_type],
               "dims": [d.dim_value for d in i.type.tensor_type.shape.dim]}
              for i in graph.input if i.name.startswith("past.")]
@@ -202,7 +208,7 @@ def export_web(model, tokenizer, out_dir, prefill_chunk: int | None = 32, *, par
         "format": MANIFEST_FORMAT, "files": {role: os.path.basename(p) for role, p in paths.items()},
         "prefill_chunk": prefill_chunk or 1, "capacity": cfg.inference_sequence_length,
         "vocab_size": cfg.vocab_size, "eos_token_id": tokenizer.eos_token_id, "tokenizer": tok_entry,
-        "state": state, "quantize": quantize, "quantized_embedding": quantize == "int4",
+        "state": state, "writes": writes, "quantize": quantize, "quantized_embedding": quantize == "int4",
         "bytes": {role: os.path.getsize(p) for role, p in paths.items()},
         "onnxruntime_web": ort_version,
         "model": {"layers": cfg.num_decoder_layers, "width": cfg.embedding_width,

@@ -18,7 +18,7 @@ import { Tokenizer } from "./tokenizer.mjs";
 export { Tokenizer, checkWellFormed } from "./tokenizer.mjs";
 export { argmax, checkOptions, probs, sample, seededRandom } from "./sampling.mjs";
 export const MANIFEST = "shram.json";
-export const MANIFEST_FORMAT = "shram_static.web/1";
+export const MANIFEST_FORMAT = "shram_static.web/2";
 
 const ARRAYS = { float32: Float32Array, int64: BigInt64Array, int32: Int32Array, bool: Uint8Array, uint8: Uint8Array };
 
@@ -155,6 +155,13 @@ export class ShramModel {
     }
     const model = new ShramModel(ort, manifest, tokenizer, sessions.decode, sessions.prefill ?? null);
     model.rowWrites = rowWrites;
+    if (rowWrites) {
+      // where each state's written rows lie in a graph's outputs (`row_writes_graph`'s layout)
+      const width = Object.fromEntries(manifest.state.map(({ name, dims }) => [name, dims.slice(1).reduce((a, b) => a * b, 1)]));
+      const lay = (r) => manifest.writes[r].map((w) => ({ ...w, past: `past.${w.state}`, width: width[w.state] }));
+      model.writesOf = new Map([[sessions.decode, lay("decode_rows")]]);
+      if (sessions.prefill) model.writesOf.set(sessions.prefill, lay("prefill_rows"));
+    }
     model.inplace = !web && !rowWrites;
     model.threads = used;
     model.executionProvider = web ? executionProviders[0] : "cpu";
@@ -174,6 +181,7 @@ export class ShramModel {
     this.quantize = manifest.quantize ?? null;
     this.busy = false;
     this.rowWrites = false;  // set by load (see #step)
+    this.writesOf = null;  // with rowWrites: session -> where its outputs hold each state's rows
     this.inplace = false;
   }
 
@@ -247,10 +255,10 @@ export class ShramModel {
       // wrote, applied here to the state this module holds (in write order: the last write to
       // a row wins, as in the graph)
       out = await sess.run(feeds);
-      for (const { name } of this.manifest.state) {
-        const at = out[`write.${name}.index`].data, rows = out[`write.${name}.rows`].data;
-        const dst = state[`past.${name}`].data, w = rows.length / at.length;
-        for (let i = 0; i < at.length; i++) dst.set(rows.subarray(i * w, (i + 1) * w), Number(at[i]) * w);
+      const index = out["write.index"].data;
+      for (const { past, at, n, rows, from, width: w } of this.writesOf.get(sess)) {
+        const src = out[rows].data, dst = state[past].data;
+        for (let i = 0; i < n; i++) dst.set(src.subarray((from + i) * w, (from + i + 1) * w), Number(index[at + i]) * w);
       }
     } else {
       // a site without the row-writes graphs: the outputs are the next step's state
