@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import prefix_blocks, prefix_rows
+from .entmax import entmax12_unrolled
 from .layers import BEA, MoSRAH, Router, gather_experts
 from .routing import top_k_ranks
 
@@ -155,9 +156,12 @@ def _refill(module: nn.Module, name: str, new: torch.Tensor) -> None:
 
 class FusedRouter(Router):
     """`Router` for the compiled steps on CPU over `router`'s weight: logits as row reductions and
-    top-k as ranks (`routing.top_k_ranks`), fused into the layer's kernel (no extern mm or topk)."""
+    top-k as ranks (`routing.top_k_ranks`), entmax's means and max over single entries
+    (`entmax.entmax12_unrolled`): fused into the layer's kernel, no extern mm or topk, no
+    reduction loops of their own."""
 
     pick = staticmethod(top_k_ranks)
+    scores = staticmethod(entmax12_unrolled)
 
     def __init__(self, router: Router):
         nn.Module.__init__(self)

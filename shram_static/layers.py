@@ -10,6 +10,7 @@ from torch import nn
 
 from .attention import attend_by_expert, attend_gathered, masked_attention, prefix_rows, with_own_rows
 from .config import ShramConfig
+from .entmax import entmax12
 from .reductions import exclusive_cumsum, mean_last
 from .rope import apply_rope
 from .routing import route, top_k
@@ -135,6 +136,7 @@ class Router(nn.Module):
     """The MoSRAH router's weight (L, d): its logits and top-k (`FusedRouter` in compiled steps)."""
 
     pick = staticmethod(top_k)
+    scores = staticmethod(entmax12)
 
     def __init__(self, config: ShramConfig):
         super().__init__()
@@ -147,7 +149,7 @@ class Router(nn.Module):
     def forward(self, h: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken: torch.Tensor, k: int,
                 small: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(idx, P) each (B, C, K) for normed hidden states h (B, C, d): `routing.route`."""
-        return route(self.logits(h), live, start, taken, k, h.dtype, small, self.pick)
+        return route(self.logits(h), live, start, taken, k, h.dtype, small, self.pick, self.scores)
 
 
 class BEA(nn.Module):

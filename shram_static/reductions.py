@@ -25,6 +25,29 @@ def max_last(y: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def fold_entries(y: torch.Tensor, op) -> torch.Tensor:
+    """`op` folded over the last dim's entries, kept: (..., n) -> (..., 1), as n - 1 elementwise
+    `op`s of single entries, pairwise. For a few entries (a router's experts): n slices.
+
+    WHY for Inductor: ops on single entries fuse into the loop of what reads the result, where a
+    reduction is a loop nest of its own, and its result a buffer the wrapper allocates on every
+    call (docs/performance.md)."""
+    parts = [y[..., i:i + 1] for i in range(y.shape[-1])]
+    while len(parts) > 1:
+        parts = [op(a, b) for a, b in zip(parts[::2], parts[1::2])] + parts[len(parts) // 2 * 2:]
+    return parts[0]
+
+
+def mean_unrolled(y: torch.Tensor) -> torch.Tensor:
+    """Mean over the last dim, kept, as `fold_entries`' sum."""
+    return fold_entries(y, torch.add) / y.shape[-1]
+
+
+def max_unrolled(y: torch.Tensor) -> torch.Tensor:
+    """Max over the last dim, kept, as `fold_entries`' maximum."""
+    return fold_entries(y, torch.maximum)
+
+
 def small_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`torch.bmm(a, b)` as a broadcast product summed over the shared dim: (N, M, k) x (N, k, P)
     -> (N, M, P). WHY: Inductor fuses a CPU bmm only when M or P is 1; any other is an extern

@@ -56,7 +56,7 @@ def block_select(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken
 
 
 def route(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken: torch.Tensor, k: int,
-          dtype: torch.dtype, small: bool = False, pick=top_k) -> tuple[torch.Tensor, torch.Tensor]:
+          dtype: torch.dtype, small: bool = False, pick=top_k, scores=entmax12) -> tuple[torch.Tensor, torch.Tensor]:
     """Router of one layer from its logits: entmax scores, block-balanced selection and weights.
 
     Args:
@@ -68,6 +68,7 @@ def route(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken: torch
         dtype: the weights' dtype (the hidden states').
         small: a chunk of a few tokens (verify): prefix sums and products as fused reductions.
         pick: the top-k function (`top_k`, or `top_k_ranks` for a step compiled by Inductor).
+        scores: the entmax (`entmax12`, or `entmax12_unrolled` for a step compiled by Inductor).
 
     Returns:
         idx: (B, C, K) int64 experts in top-k order (unspecified at dead tokens); P: (B, C, K)
@@ -77,10 +78,10 @@ def route(z: torch.Tensor, live: torch.Tensor, start: torch.Tensor, taken: torch
         # Training: autograd through `entmax12`'s unrolled Newton steps is not the entmax
         # Jacobian; the `entmax` package's bisection has the exact backward but does not export.
         import entmax
-        scores = entmax.entmax_bisect(z, alpha=1.2)
+        p = entmax.entmax_bisect(z, alpha=1.2)
     else:
-        scores = entmax12(z)
+        p = scores(z)
     idx = block_select(z, live, start, taken, k, small, pick)
-    ps = scores.gather(-1, idx)  # (B, C, K)
+    ps = p.gather(-1, idx)  # (B, C, K)
     P = ps / ps.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
     return idx, P.to(dtype)

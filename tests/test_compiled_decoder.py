@@ -9,6 +9,7 @@ import torch
 from helpers import compiled_test_model, random_config, randomize_
 from shram_static import ShramForCausalLM, StaticDecoder
 from shram_static.decoder import FEW_ROWS, RowExperts, RowLinear
+from shram_static.entmax import entmax12_unrolled
 from shram_static.layers import BEA, Router
 from shram_static.fast_layers import FusedRouter
 from shram_static.routing import top_k, top_k_ranks
@@ -265,6 +266,7 @@ def test_decoders_never_alter_the_model(tied):
         assert all(w.data_ptr() in ptrs for m in experts for w in (*m.sources, m.o_proj))
         routers = [m for m in dec.module.model.modules() if isinstance(m, Router)]
         assert len(routers) == model.config.num_decoder_layers and all(type(r) is FusedRouter for r in routers)
+        assert all(r.scores is entmax12_unrolled and r.pick is top_k_ranks for r in routers)  # the fused forms
         assert all(r.routing_weight.data_ptr() in ptrs for r in routers)
     eager = decs[0].module.model.modules()
     assert not any(isinstance(m, (RowLinear, RowExperts, FusedRouter)) for m in eager)

@@ -7,7 +7,8 @@ import torch
 
 from helpers import GOLDEN_CASES, golden_case, random_ids, random_model, run_oracle
 
-from shram_static.entmax import entmax12
+from shram_static.entmax import entmax12, entmax12_unrolled
+from shram_static.reductions import mean_unrolled
 
 
 # -- golden parity --------------------------------------------------------------------------
@@ -188,14 +189,16 @@ def test_bad_attention_mask(small, make, exc, words):
         assert w in msg, msg
 
 
-def test_entmax12_matches_reference_package():
-    """The library's Newton solve against the `entmax` package's 50-halving bisection, over
-    wide and narrow logit scales, ties, one dominant expert, and expert counts far beyond any
-    shipped config (the Newton step count grows with L; too few steps would show here)."""
+@pytest.mark.parametrize("solve", [entmax12, entmax12_unrolled])
+def test_entmax12_matches_reference_package(solve):
+    """The library's Newton solve (its means as reductions, and as sums of entries for compiled
+    steps) against the `entmax` package's 50-halving bisection, over wide and narrow logit
+    scales, ties, one dominant expert, odd expert counts, and counts far beyond any shipped
+    config (the Newton step count grows with L; too few steps would show here)."""
     entmax = pytest.importorskip("entmax")
     gen = torch.Generator().manual_seed(3)
-    for L, scale in ((2, 1.0), (8, 0.1), (16, 1.0), (16, 30.0), (64, 5.0), (256, 0.3), (1024, 0.3),
-                     (4096, 3.0)):
+    for L, scale in ((2, 1.0), (5, 1.0), (8, 0.1), (12, 2.0), (16, 1.0), (16, 30.0), (64, 5.0), (256, 0.3),
+                     (1024, 0.3), (4096, 3.0)):
         z = torch.randn(200, L, generator=gen) * scale
         z[0] = 0.0  # all tied: uniform
         z[1, 0] = 100.0  # one expert takes everything
@@ -203,11 +206,21 @@ def test_entmax12_matches_reference_package():
         # slowest case for Newton (3 steps instead of the 4 it needs fail here at L = 4096)
         a, b = torch.rand(2, 48, 1, generator=gen)
         z[2:50] = -10 * a * torch.arange(L).float() ** b
-        ours = entmax12(z)
+        ours = solve(z)
         ref = entmax.entmax_bisect(z, alpha=1.2, dim=-1, n_iter=50)
         assert (ours - ref).abs().max() <= 2e-6, (L, scale, (ours - ref).abs().max())
         assert torch.allclose(ours.sum(-1), torch.ones(200), atol=1e-6)
-    assert torch.allclose(entmax12(torch.zeros(1, 8)), torch.full((1, 8), 1 / 8))
+    assert torch.allclose(solve(torch.zeros(1, 8)), torch.full((1, 8), 1 / 8))
+
+
+def test_mean_unrolled_is_the_mean_at_every_width():
+    """Odd counts carry their last entry up a level; float64 sums of random rows as the oracle."""
+    gen = torch.Generator().manual_seed(5)
+    for n in range(1, 40):
+        y = torch.randn(3, 2, n, generator=gen) * 10
+        got = mean_unrolled(y)
+        assert got.shape == (3, 2, 1)
+        torch.testing.assert_close(got, y.double().sum(-1, keepdim=True).div(n).float(), rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
