@@ -28,7 +28,7 @@ from unittest import mock
 import torch
 
 
-def _first_k(z, live, start, taken, k, dtype, small=False, pick=None):
+def _first_k(z, live, start, taken, k, dtype, small=False, pick=None, scores=None):
     """`routing.route` with every token at experts 0..K-1, weighted by a softmax of their logits."""
     B, C, _ = z.shape
     # + 0 * live: a tensor of its own per step, not an expanded constant (an expand_copy kernel)
@@ -55,7 +55,8 @@ PARTS = {
                                   lambda q, k, v, bias, scale, seen=None, small=False: q * 1.0),
     "gathers": lambda: mock.patch.object(torch.Tensor, "index_select", _slice_rows),
     "routing": lambda: mock.patch("shram_static.layers.route", _first_k),
-    "entmax": lambda: mock.patch("shram_static.routing.entmax12", lambda z: torch.softmax(z.float(), dim=-1)),
+    "entmax": lambda: mock.patch("shram_static.layers.Router.scores",
+                                 staticmethod(lambda z: torch.softmax(z.float(), dim=-1))),
 }
 
 
