@@ -46,8 +46,9 @@ def test_row_writes_graph_lays_every_states_rows_out_in_few_outputs(tmp_path):
 
     from shram_static.export.web import row_writes_graph
     _state_graph(tmp_path / "m.onnx")
-    m = onnx.load(row_writes_graph(str(tmp_path / "m.onnx"), str(tmp_path / "m.rows.onnx")))
-    layout = json.loads({p.key: p.value for p in m.metadata_props}["shram_writes"])
+    layout = row_writes_graph(str(tmp_path / "m.onnx"), str(tmp_path / "m.rows.onnx"))
+    m = onnx.load(str(tmp_path / "m.rows.onnx"))
+    assert json.loads({p.key: p.value for p in m.metadata_props}["shram_writes"]) == layout
     f32, i64 = "write.rows.float32.2", "write.rows.int64.3"
     assert layout == [{"state": "a", "at": 0, "n": 2, "rows": f32, "from": 0},
                       {"state": "b", "at": 2, "n": 2, "rows": f32, "from": 2},

@@ -123,8 +123,8 @@ def export_onnx(model, path, batch_size: int = 1, prefill_chunk: int | None = 32
             `slots` [P] float32, P a dynamic size.
         row_writes: also write `m.rows.onnx`, the decode step for a runtime that keeps the state
             and takes back only the rows a step writes (`export_web`'s module): it reads the
-            expert caches before writing them (`StepMode.rows_out`), so once its outputs are the
-            written rows (`web.row_writes_graph`) onnxruntime no longer copies those caches whole.
+            expert caches before writing them (`StepMode.rows_out`), so with its outputs the
+            written rows (`web.row_writes_graph`) onnxruntime does not copy those caches whole.
             Not a graph `load_onnx` runs.
 
     Returns:

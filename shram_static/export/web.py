@@ -55,12 +55,13 @@ def find_ort_web(where: str | None = None) -> Path:
         f"then export from there, or point SHRAM_ORT_WEB at a node_modules folder that has onnxruntime-web.")
 
 
-def row_writes_graph(src: str, dst: str) -> str:
+def row_writes_graph(src: str, dst: str) -> list[dict]:
     """Writes a copy of an `export_onnx` graph returning, instead of each `present.<name>`, the
     rows the step wrote, every state's in a few outputs: `write.index` ([n, 1] int64, every
     written row's index) and one `write.rows.<type>.<width>` per kind of row ([m, width]). The
-    copy's `shram_writes` metadata lays them out, per state in state order: `{"state", "at",
-    "n", "rows", "from"}`, its n indices at `at` of `write.index`, its rows at `from` of `rows`.
+    layout, returned and kept in the copy's `shram_writes` metadata, has per state in state order
+    `{"state", "at", "n", "rows", "from"}`: its n indices at `at` of `write.index`, its rows at
+    `from` of `rows`.
 
     WHY: onnxruntime-web copies every output into a new JavaScript array after each run; the
     rows a step writes are a few KB, the whole state megabytes. WHY few outputs: onnxruntime-node
@@ -68,7 +69,10 @@ def row_writes_graph(src: str, dst: str) -> str:
 
     Args:
         src: the graph (its weights stay in the external data file it names).
-        dst: where the copy goes (beside src, so the same data file serves both); returned.
+        dst: where the copy goes (beside src, so the same data file serves both).
+
+    Returns:
+        The layout.
 
     Raises:
         ValueError: a `present.<name>` output that is not one ScatterND of `past.<name>`, or
@@ -116,13 +120,13 @@ def row_writes_graph(src: str, dst: str) -> str:
         outputs.append(helper.make_tensor_value_info(out, et, [sum(c for _, c in values), *trail]))
     del g.output[:]
     g.output.extend(outputs)
-    helper.set_model_props(m, {**{p.key: p.value for p in m.metadata_props}, "shram_writes": json.dumps(layout)})
-    # WHY: onnxruntime runs an unread node all the same; a row-writes decode graph no longer reads
-    # the whole caches its `ScatterND`s write (`attention.with_own_rows`), so those copies go
+    m.metadata_props.add(key="shram_writes", value=json.dumps(layout))
+    # WHY: onnxruntime runs an unread node all the same; a row-writes decode graph reads the
+    # caches as passed in (`attention.with_own_rows`), so its whole-cache `ScatterND`s go
     remove_unused_nodes(m)
     onnx.save(m, dst)
     onnx.checker.check_model(dst)  # by path: the weights' data file is found beside it
-    return dst
+    return layout
 
 
 def _tokenizer_entry(tok, out_dir: str) -> dict:
@@ -176,10 +180,12 @@ def export_web(model, tokenizer, out_dir, prefill_chunk: int | None = 32, *, par
                         eos_token_id=tokenizer.eos_token_id, parallel=parallel, full_logits=full_logits,
                         quantize=quantize, quantize_embedding=quantize == "int4", prefix_lengths=(),
                         row_writes=True)
+    writes = {}  # where each state's written rows lie in a row-writes graph's outputs (its dq copy's alike)
     for role in ("decode", "prefill"):
         if role in paths:  # model.rows.onnx (traced for it) in place; model.prefill.onnx -> model.rows.prefill.onnx
             rows = os.path.join(out_dir, "model.rows" + os.path.basename(paths[role]).removeprefix("model"))
-            paths[f"{role}_rows"] = row_writes_graph(paths.get(f"{role}_rows", paths[role]), rows)
+            writes[f"{role}_rows"] = row_writes_graph(paths.get(f"{role}_rows", paths[role]), rows)
+            paths[f"{role}_rows"] = rows
             if quantize is not None:  # what onnxruntime-web runs: float MatMuls of weights dequantized at load
                 dq = rows.replace("model.rows", "model.rows.dq")
                 onnx.save(dequantized_matmuls(onnx.load(rows, load_external_data=False))[0], dq)
@@ -195,9 +201,6 @@ def export_web(model, tokenizer, out_dir, prefill_chunk: int | None = 32, *, par
             del m.graph.value_info[:]
             onnx.save(m, p)
     graph = onnx.load(paths["decode"], load_external_data=False).graph
-    # where each state's written rows lie in a row-writes graph's outputs (its dq copy's alike)
-    writes = {role: json.loads({p.key: p.value for p in onnx.load(paths[role], load_external_data=False)
-                                .metadata_props}["shram_writes"]) for role in ("decode_rows", "prefill_rows") if role in paths}
     state = [{"name": i.name.removeprefix("past."), "type": _ONNX_TYPES[i.type.tensor_type.elem_type],
               "dims": [d.dim_value for d in i.type.tensor_type.shape.dim]}
              for i in graph.input if i.name.startswith("past.")]
