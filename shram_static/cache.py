@@ -213,5 +213,5 @@ class ShramCache(Cache):
     def _step(self, model, tokens: torch.Tensor, live: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         logits, _ = step(model=model, state=self.state.tensors(), tokens=tokens, input_pos=self.live_counts,
                             live=live, ring=self.state.ring, inplace=True, last_only=last_only)
-        self.counts.fed(live.long().sum(1), self.state.rollback_limit)
+        self.counts.fed(live, self.state.rollback_limit)
         return logits

@@ -1,6 +1,7 @@
 """`StaticDecoder`: the static steps in PyTorch, eager or `torch.compile(fullgraph=True)`."""
 
 import contextlib
+import operator
 import os
 import types
 
@@ -75,7 +76,7 @@ class StaticDecoder(HostDecoder):
         model: a `ShramForCausalLM` (eval mode; its dtype and device are used for the state).
         batch_size: B rows.
         prefill_chunk: C tokens per prefill step (prompts are split into C-token chunks).
-        compile: wrap each step in `torch.compile(fullgraph=True, dynamic=False)`, compiled on
+        compile: wrap each step in `torch.compile(fullgraph=True)` (static shapes), compiled on
             first use (a collection of `KINDS`: only those kinds). With batch_size <= FEW_ROWS
             on CPU the steps run on a `shared_copy` with `RowLinear` / `RowExperts` (the model
             passed in is never modified).
@@ -133,7 +134,7 @@ class StaticDecoder(HostDecoder):
         # every tensor a step reads besides its inputs: the guards skip them (`owned_guards`), so
         # `_follow_weights` compiles again when one's layout changed
         self._read = self._reads()
-        self._read_ptrs = [t.data_ptr() for t in self._read]
+        self._read_ptrs = list(map(torch.Tensor.data_ptr, self._read))
         self._read_layouts = [_layout(t) for t in self._read]
         self.compiled = bool(kinds)
         self._compiled_kinds = kinds
@@ -180,8 +181,10 @@ class StaticDecoder(HostDecoder):
             # closures of `run` (of every kind and decoder) would share one cache and recompile
             name = f"{kind}_step" + "_long" * long
             code = run.__code__.replace(co_name=name, co_qualname=name)
+            # WHY `dynamic` unset: every shape is static by default (the slots' length is marked
+            # dynamic by itself), and `dynamic=False` patches Dynamo's config around every call
             run = torch.compile(types.FunctionType(code, run.__globals__, name, None, run.__closure__),
-                                fullgraph=True, dynamic=False, options=self._options[kind])
+                                fullgraph=True, options=self._options[kind])
         self._steps[(kind, long)] = run
         return run
 
@@ -226,7 +229,9 @@ class StaticDecoder(HostDecoder):
             if len(self.prefix_lengths) > 1:
                 accelerators.dynamic_length(slots)
             self._dynamic.add(key)
-        return fn(tokens.to(self.device), input_pos.to(self.device), live.to(self.device), slots)
+        if self.device.type != "cpu":  # WHY only then: each `.to` is a dispatched op, a no-op on the CPU
+            tokens, input_pos, live = tokens.to(self.device), input_pos.to(self.device), live.to(self.device)
+        return fn(tokens, input_pos, live, slots)
 
     def _reads(self) -> list[torch.Tensor]:
         """The model copy's tensors (the state, never replaced, aside)."""
@@ -242,7 +247,7 @@ class StaticDecoder(HostDecoder):
                 m.repack()
             self._row_stamps = stamps
         read = self._reads() if repacked else self._read  # a repack may make a new buffer
-        ptrs = [t.data_ptr() for t in read]
+        ptrs = list(map(torch.Tensor.data_ptr, read))
         if repacked or ptrs != self._read_ptrs:
             layouts = [_layout(t) for t in read]
             if layouts != self._read_layouts:
@@ -268,6 +273,9 @@ def _layout(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
 
 
+_VERSION = operator.attrgetter("_version")
+
+
 def _stamps(weights: list) -> list:
     """Each weight's version counter and data pointer."""
-    return [(w._version, w.data_ptr()) for w in weights]
+    return list(zip(map(_VERSION, weights), map(torch.Tensor.data_ptr, weights)))

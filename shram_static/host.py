@@ -13,7 +13,7 @@ from .config import ShramConfig
 from .errors import CapacityError, NonFiniteLogitsError
 from . import loops
 from .rows import RowCounts, canonical, last_live, padded_chunks
-from .validation import check_capacity, check_input_ids, check_mask, check_positive_ints
+from .validation import SMALL, check_capacity, check_input_ids, check_mask, check_positive_ints
 
 __all__ = ["CapacityError", "HostDecoder"]
 
@@ -57,8 +57,11 @@ class HostDecoder:
         self.batch_size = batch_size
         self.prefill_chunk = prefill_chunk
         self.capacity = config.inference_sequence_length
+        # WHY a plain attribute: a transformers config's attribute reads run Python hooks (every call reads it)
+        self.vocab_size = config.vocab_size
         self.eos_token_id = eos_token_id
         self._counts = RowCounts(batch_size)
+        self._all_live = torch.ones(batch_size, dtype=torch.bool)  # (B,) decode's default `active`
         # a backend sets these: tokens a row can forget at once (0: none), the verify step's tokens per
         # row (None: verify runs as prefill), False where prefill returns each row's last logits only
         self.rollback_limit = 0
@@ -112,7 +115,7 @@ class HostDecoder:
         if not last_only:
             self.need_full_logits("prefill(..., last_only=False)")
         ids, live = self.check_prompt(input_ids, attention_mask)
-        self._check_capacity(live.long().sum(1))
+        self._check_capacity(live)
         B, N = ids.shape
         C, V = self.prefill_chunk, self.config.vocab_size
         ids, live, starts = padded_chunks(ids, live, C)
@@ -145,10 +148,10 @@ class HostDecoder:
             raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
         if ids.shape != (self.batch_size,):
             raise ValueError(f"ids must have shape ({self.batch_size},) (one token per row), got {tuple(ids.shape)}")
-        check_input_ids(ids, self.config.vocab_size, "ids")
+        check_input_ids(ids, self.vocab_size, "ids")
         live = check_mask(active, ids.shape, "active")
-        live = torch.ones(self.batch_size, dtype=torch.bool) if live is None else live.cpu()
-        self._check_capacity(live.long())
+        live = self._all_live if live is None else live.cpu()
+        self._check_capacity(live)
         return self.feed(ids.long().cpu()[:, None], live[:, None])[:, 0]
 
     # -- rollback and verification (speculative decoding) ----------------------------
@@ -215,7 +218,7 @@ class HostDecoder:
         if self.verify_len is None:
             self.need_full_logits("verify without a verify step (exported without verify_len)")
             return self.prefill(ids, live)
-        self._check_capacity(live.long().sum(1))
+        self._check_capacity(live)
         return self.feed(ids, live)
 
     # -- the unchecked contract (speculative decoding, generation loops, benchmarks) ----
@@ -236,7 +239,9 @@ class HostDecoder:
         if 1 < n < self.verify_len:  # the verify step's fixed shape: pad with dead tokens
             ids, live = (torch.nn.functional.pad(t, (0, self.verify_len - n)) for t in (ids, live))
         lg = self._call(ids, live)
-        return (lg if lg.shape[1] == n else lg[:, :n]).float().cpu()
+        lg = lg if lg.shape[1] == n else lg[:, :n]
+        # WHY the checks: `.float().cpu()` of float CPU logits is two dispatched no-ops
+        return lg if lg.dtype == torch.float32 and lg.device.type == "cpu" else lg.float().cpu()
 
     def forget(self, n: torch.Tensor) -> None:
         """`rollback` without its checks: n (B,) int64, each at most `rollbackable`."""
@@ -308,7 +313,7 @@ class HostDecoder:
         if input_ids.dim() != 2 or input_ids.shape[0] != self.batch_size or input_ids.shape[1] not in (1, C):
             raise ValueError(f"input_ids must have shape ({self.batch_size}, 1) or ({self.batch_size}, {C}) "
                              f"(batch_size, 1 or prefill_chunk), got {tuple(input_ids.shape)}")
-        check_input_ids(input_ids, self.config.vocab_size)
+        check_input_ids(input_ids, self.vocab_size)
         if live is None:
             raise TypeError("live must be a (B, C) bool tensor, got None")
         if not isinstance(last_only, bool):
@@ -316,7 +321,7 @@ class HostDecoder:
         if not last_only and input_ids.shape[1] > 1:
             self.need_full_logits("step(...) of a prefill chunk without last_only=True")
         lv = check_mask(live, input_ids.shape, "live").cpu()
-        self._check_capacity(lv.long().sum(1))
+        self._check_capacity(lv)
         return self._call(input_ids.long().cpu(), lv, last_only and input_ids.shape[1] > 1).float().cpu()
 
     generate = loops.generate  # the generation loops (plain, sampled, speculative)
@@ -324,7 +329,7 @@ class HostDecoder:
     def _call(self, tokens: torch.Tensor, live: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """Runs one checked step, advances the counts (the state holds the tokens), checks the logits."""
         out = (self._run_last if last_only else self._run)(canonical(tokens), self._counts.live, canonical(live))
-        self._counts.fed(live.sum(1), self.rollback_limit)
+        self._counts.fed(live, self.rollback_limit)
         _check_finite(out, live.any(1, keepdim=True) if last_only else live)
         return out
 
@@ -345,11 +350,19 @@ class HostDecoder:
                              f"{input_ids.shape[0]} rows")
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids is empty: a prompt needs at least one token")
-        check_input_ids(input_ids, self.config.vocab_size)
+        check_input_ids(input_ids, self.vocab_size)
         live = check_mask(attention_mask, input_ids.shape)
         live = torch.ones(input_ids.shape, dtype=torch.bool) if live is None else live.cpu()
         return input_ids.long().cpu(), live
 
-    def _check_capacity(self, n_new: torch.Tensor) -> None:
+    def _check_capacity(self, live: torch.Tensor) -> None:
+        """Raises CapacityError if a row would hold more than the capacity after the live tokens
+        of live, a (B,) or (B, C) bool mask."""
+        # WHY Python ints first: a few values need no dispatched torch op (`validation.SMALL`)
+        if live.numel() <= SMALL:
+            new = [sum(r) if isinstance(r, list) else int(r) for r in live.tolist()]
+            if max(map(int.__add__, self._counts.live.tolist(), new)) <= self.capacity:
+                return
+        n_new = live.long() if live.dim() == 1 else live.long().sum(1)
         check_capacity(self._counts.live + n_new, self.capacity,
                        advice="call reset() or build the model with a larger inference_sequence_length")

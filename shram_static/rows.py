@@ -5,6 +5,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .validation import SMALL
+
 
 class RowCounts:
     """The live-token and rollback counts of B rows, (B,) int64 tensors updated in place (so a
@@ -22,11 +24,26 @@ class RowCounts:
     def __init__(self, batch_size: int, device=None):
         self.live = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.undo = torch.zeros(batch_size, dtype=torch.long, device=device)
+        # numpy views of CPU counts (the same memory) for `fed`
+        self._np = (self.live.numpy(), self.undo.numpy()) if self.live.device.type == "cpu" else None
 
-    def fed(self, n: torch.Tensor, rollback_limit: int) -> None:
-        """Rows took n (B,) more live tokens; one can be forgotten until rollback_limit more were fed."""
-        self.live.add_(n)
-        self.undo.add_(n).clamp_(max=rollback_limit)
+    def fed(self, live: torch.Tensor, rollback_limit: int) -> None:
+        """Rows took the live tokens of live (B, C) bool; one can be forgotten until
+        rollback_limit more were fed."""
+        # (traced by Dynamo where a compiled forward runs a `ShramCache`: torch ops only)
+        if (self._np is None or live.device.type != "cpu" or live.numel() > SMALL
+                or torch.compiler.is_compiling()):
+            n = live.sum(1)
+            self.live.add_(n)
+            self.undo.add_(n).clamp_(max=rollback_limit)
+            return
+        # WHY Python ints for a few rows: the torch ops above cost microseconds each right after
+        # a step (it evicted the host code's caches); `tolist` and numpy items need no dispatch
+        lv, un = self._np
+        for b, row in enumerate(live.tolist()):
+            k = sum(row)
+            lv[b] += k
+            un[b] = min(un[b] + k, rollback_limit)
 
     def forget(self, n: torch.Tensor | int) -> None:
         """Rows forget their last n (B,) tokens (checked by the caller: n <= `rollbackable`)."""

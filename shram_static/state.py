@@ -86,11 +86,13 @@ class PrefixSlots:
     def __init__(self, cfg: ShramConfig, lengths, device=None):
         self.lengths = tuple(lengths)
         self.block = cfg.block_length
-        self.table = slot_numbers(cfg.mosrah_cache_length, device)[:self.lengths[-1]].contiguous()
+        table = slot_numbers(cfg.mosrah_cache_length, device)[:self.lengths[-1]].contiguous()
+        # WHY every prefix made once: a slice per step is a dispatched op (microseconds right after a step)
+        self.prefixes = {P: table[:P] for P in self.lengths}
 
     def __call__(self, input_pos: torch.Tensor, chunk: int) -> torch.Tensor:
         """(P,) float32 slot numbers for a step of `chunk` tokens per row at `input_pos` (B,)."""
-        return self.table[:prefix_len(self.lengths, self.block, int(input_pos.max()) + chunk)]
+        return self.prefixes[prefix_len(self.lengths, self.block, max(input_pos.tolist()) + chunk)]
 
 
 class LayerState(nn.Module):

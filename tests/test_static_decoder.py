@@ -243,6 +243,10 @@ BAD_CALLS = {
     "prefill_overflow": (lambda d, V: d.prefill(torch.zeros(2, 15, dtype=torch.long)), CapacityError, "capacity"),
     "decode_overflow_after_fill": None,  # covered below
     "prefill_oov": (lambda d, V: d.prefill(torch.full((2, 3), V)), ValueError, "vocabulary"),
+    # more ids than `validation.SMALL`: checked by torch ops, not Python ints
+    "prefill_oov_long": (lambda d, V: d.prefill(torch.cat([torch.zeros(2, 199, dtype=torch.long),
+                                                           torch.full((2, 1), V)], 1)), ValueError, "vocabulary"),
+    "prefill_overflow_long": (lambda d, V: d.prefill(torch.zeros(2, 150, dtype=torch.long)), CapacityError, "capacity"),
     "prefill_negative": (lambda d, V: d.prefill(torch.full((2, 3), -1)), ValueError, "vocabulary"),
     "decode_oov": (lambda d, V: d.decode(torch.tensor([0, V])), ValueError, "vocabulary"),
     "wrong_batch": (lambda d, V: d.prefill(torch.zeros(3, 4, dtype=torch.long)), ValueError, "batch_size"),
