@@ -6,6 +6,8 @@ implements `_run` (C = 1 or prefill_chunk) and optionally `_run_last`. Its publi
 the decoder contract (docs/design.md, "The decoder contract"); the loops are in `loops.py`.
 """
 
+import math
+
 import numpy as np
 import torch
 
@@ -17,6 +19,8 @@ from .validation import SMALL, check_capacity, check_input_ids, check_mask, chec
 
 __all__ = ["CapacityError", "HostDecoder"]
 
+FEW_LOGITS = 1024  # logits a step's finiteness check sums in Python (`_check_finite`)
+
 
 def _check_finite(logits: torch.Tensor, live: torch.Tensor) -> None:
     """Raises NonFiniteLogitsError where a live token's logits hold a NaN or an Inf (WHY:
@@ -26,8 +30,11 @@ def _check_finite(logits: torch.Tensor, live: torch.Tensor) -> None:
         # spin on the core the next step's runtime (onnxruntime, XNNPACK) needs.
         a = (logits.detach() if logits.requires_grad else logits)
         a = (a if a.dtype == torch.float32 else a.float()).numpy()
-        # one sum first (finite exactly when every value is); only a non-finite one is searched
-        if np.isfinite(a.sum()):
+        # one sum first (finite exactly when every value is); only a non-finite one is searched.
+        # WHY Python's sum of a few logits (in float64): numpy's reduction runs right after the
+        # step, its code evicted from the caches, and costs several times as much then
+        few = a.size <= FEW_LOGITS and a.flags.c_contiguous
+        if math.isfinite(sum(memoryview(a).cast("B").cast("f")) if few else a.sum()):
             return
         fin = torch.from_numpy(np.isfinite(a).all(-1))  # (B, C)
     else:

@@ -61,21 +61,23 @@ def test_non_finite_logits_raise_instead_of_sampling(model):
     assert good.generate(ids, max_new_tokens=3).shape == (1, 3)
 
 
-def test_finite_check_looks_past_a_sum_that_overflows_and_at_live_tokens_only():
+@pytest.mark.parametrize("V", [50, 300])  # 200 logits, summed in Python; 1200, by numpy (`FEW_LOGITS`)
+def test_finite_check_looks_past_a_sum_that_overflows_and_at_live_tokens_only(V):
     """The logits check sums first: a sum that overflows (every value finite) must not raise,
     a NaN or an Inf at a live token must (naming its row, in any float dtype), one at a dead
     token must not."""
-    from shram_static.host import _check_finite
+    from shram_static.host import FEW_LOGITS, _check_finite
 
+    assert (4 * V <= FEW_LOGITS) == (V == 50)
     live = torch.tensor([[True, False], [True, True]])
-    big = torch.full((2, 2, 300), 3e38)
+    big = torch.full((2, 2, V), 3e38)
     big[1, 1, ::2] = -3e38
     _check_finite(big, live)  # the sum overflows, every value is finite
     for dtype in (torch.float32, torch.bfloat16):
         for bad in (float("nan"), float("inf"), -float("inf")):
-            lg = torch.randn(2, 2, 300).to(dtype)
+            lg = torch.randn(2, 2, V).to(dtype)
             lg[0, 1, 7] = bad  # a dead token
             _check_finite(lg, live)
-            lg[1, 0, 299] = bad
+            lg[1, 0, V - 1] = bad
             with pytest.raises(NonFiniteLogitsError, match=r"rows \[1\]"):
                 _check_finite(lg, live)
