@@ -128,14 +128,16 @@ class StaticDecoder(HostDecoder):
         self.module = StepModule(self.model, self.state, per_token_max=verify_len or 1, nested=not cpp_wrapper)
         # the RowLinears and RowExperts, packed again before a step once one of their weights changed
         packers = [m for m in self.module.modules() if isinstance(m, (RowLinear, RowExperts))]
+        self._packed = {id(b) for m in packers for b in m.buffers(recurse=False)}  # their copies
         self._row_owner = [m for m in packers for _ in m.sources]  # the packer of each weight
         self._row_weights = [w for m in packers for w in m.sources]
         self._row_stamps = _stamps(self._row_weights)
         # every tensor a step reads besides its inputs: the guards skip them (`owned_guards`), so
         # `_follow_weights` compiles again when one's layout changed
-        self._read = self._reads()
-        self._read_ptrs = list(map(torch.Tensor.data_ptr, self._read))
-        self._read_layouts = [_layout(t) for t in self._read]
+        read = self._reads()
+        self._read_layouts = [_layout(t) for t in read]
+        self._watched = self._swappable(read)
+        self._watched_ptrs = list(map(torch.Tensor.data_ptr, self._watched))
         self.compiled = bool(kinds)
         self._compiled_kinds = kinds
         self._dynamic: set[tuple[str, bool]] = set()  # the step functions that have been called
@@ -237,6 +239,13 @@ class StaticDecoder(HostDecoder):
         """The model copy's tensors (the state, never replaced, aside)."""
         return [*self.model.parameters(), *self.model.buffers()]
 
+    def _swappable(self, read: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors of `read` a caller can replace (`.data =`, `set_`) that no stamp covers:
+        not the row weights (`_stamps`), nor the packed copies (only a repack replaces them).
+        WHY: each tensor checked costs a cache miss on every call right after a step."""
+        skip = self._packed | {id(w) for w in self._row_weights}
+        return [t for t in read if id(t) not in skip]
+
     def _follow_weights(self) -> None:
         """Repacks the RowLinears / RowExperts whose weights changed; drops the compiled steps
         if a tensor they read changed layout (the guards that would notice are skipped)."""
@@ -246,15 +255,17 @@ class StaticDecoder(HostDecoder):
             for m in {m for m, now, then in zip(self._row_owner, stamps, self._row_stamps) if now != then}:
                 m.repack()
             self._row_stamps = stamps
-        read = self._reads() if repacked else self._read  # a repack may make a new buffer
-        ptrs = list(map(torch.Tensor.data_ptr, read))
-        if repacked or ptrs != self._read_ptrs:
+        ptrs = list(map(torch.Tensor.data_ptr, self._watched))
+        if repacked or ptrs != self._watched_ptrs:
+            read = self._reads()  # a repack may make a new buffer
             layouts = [_layout(t) for t in read]
             if layouts != self._read_layouts:
                 self._steps.clear()
                 self._dynamic.clear()
                 self._read_layouts = layouts
-            self._read, self._read_ptrs = read, ptrs
+            self._packed = {id(b) for m in set(self._row_owner) for b in m.buffers(recurse=False)}
+            self._watched = self._swappable(read)
+            self._watched_ptrs = list(map(torch.Tensor.data_ptr, self._watched))
 
     @contextlib.contextmanager
     def steady(self, on: bool = True):
