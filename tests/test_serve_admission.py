@@ -33,12 +33,14 @@ class Gated:
 
     def __init__(self, dec, gate: threading.Event):
         self._dec, self._gate = dec, gate
+        self.held = []  # per step: whether it ran in the decoder's steady window
 
     def __getattr__(self, name):
         return getattr(self._dec, name)
 
     def step(self, *args, **kw):
         assert self._gate.wait(LIMIT_S), "the test left the gate closed"
+        self.held.append(self._dec._held is not None)
         return self._dec.step(*args, **kw)
 
 
@@ -118,3 +120,11 @@ def test_busy_server_queues_q_then_refuses(server):
                 streams.close()  # the long streams go away: their rows serve the queued requests
             assert [f.result(LIMIT_S) for f in futures] == [200] * Q
     _wait(lambda: engine.busy_rows == 0 and engine.queue_depth == 0, "rows were not freed")
+
+
+def test_engine_steps_in_the_decoders_steady_window(server):
+    """Nothing changes the engine's own decoder's weights while it serves: every step runs in
+    `StaticDecoder.steady`, so a compiled decoder checks its weights once per kind of step."""
+    url, engine, _ = server
+    assert _ask(url) == 200
+    assert engine.decoder.held and all(engine.decoder.held)

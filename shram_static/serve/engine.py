@@ -14,6 +14,7 @@ import torch
 
 from ..errors import NonFiniteLogitsError
 from ..sampling import Sampler
+from ..speculative import steady
 from .metrics import Metrics
 from .text import TextStream
 
@@ -196,8 +197,11 @@ class Engine:
             return
         self._ready.set()
         try:
-            while self._iterate():
-                pass
+            # the engine's own decoder: no code changes its weights while it serves, so each kind
+            # of step checks them once (`StaticDecoder.steady`), not on every step
+            with steady([self.decoder]):
+                while self._iterate():
+                    pass
         except Exception as e:  # the step failed for all rows: every request is told, nothing hangs
             self._fail(f"the model's step failed: {type(e).__name__}: {e}")
             return
