@@ -38,14 +38,14 @@ class StepContext(NamedTuple):
     input_pos: torch.Tensor  # (B,) live tokens before the step
     cos_l: torch.Tensor  # (B, 1, C, u) local RoPE rows
     sin_l: torch.Tensor
-    ring_rows: torch.Tensor  # (B*H*C,) ring row each local k/v goes to (dead tokens: the sink)
+    ring_rows: torch.Tensor  # (B, H, C) ring row each local k/v goes to (dead tokens: the sink)
     local_bias: torch.Tensor  # (B, 1, C, R+1) attention bias over the ring and its sink
     local_seen: torch.Tensor  # (B, 1, C, 1) 1.0 where a query sees any ring slot
     main_cos: torch.Tensor | None  # (B, C, 1, u) sparse RoPE rows at token positions
     main_sin: torch.Tensor | None  # (main_sequence; None for semantic_sequence)
     hist_idx: torch.Tensor  # (B, W-1, K) history row (of the row's N+1) of positions input_pos-1 .. -(W-1)
     hist_open: torch.Tensor  # (B, W-1, 1, 1) those positions lie in the open routing block
-    route_rows: torch.Tensor  # (B*C,) history row each token's routing goes to (dead tokens: the sink)
+    route_rows: torch.Tensor  # (B, C) history row each token's routing goes to (dead tokens: the sink)
     blocks_done: torch.Tensor  # (B, 1) input_pos // W: tokens each expert held at closed blocks
     head_base: torch.Tensor  # (B, 1, 1) b * L, the row's first (b, l) cache head
     ar_l: torch.Tensor  # arange(L)
@@ -124,8 +124,9 @@ class LocalAttention(nn.Module):
         B, u = h.shape[0], self.head_dim
         q, k, v = self.qkv(h)  # (B, H, C, u)
         q, k = apply_rope(q, ctx.cos_l, ctx.sin_l), apply_rope(k, ctx.cos_l, ctx.sin_l)
-        local_k = write_rows(local_k, ctx.ring_rows, k.reshape(-1, u), ctx.mode.inplace)
-        local_v = write_rows(local_v, ctx.ring_rows, v.reshape(-1, u), ctx.mode.inplace)
+        rows = ctx.ring_rows.reshape(-1)  # (B*H*C,)
+        local_k = write_rows(local_k, rows, k.reshape(-1, u), ctx.mode.inplace)
+        local_v = write_rows(local_v, rows, v.reshape(-1, u), ctx.mode.inplace)
         # all R + 1 rows, the sink masked: a slice to R rows is a copy in the XNNPACK delegate
         kr, vr = (c.view(B, self.num_heads, -1, u) for c in (local_k, local_v))  # (B, H, R+1, u)
         y = masked_attention(q, kr, vr, ctx.local_bias, 1 / math.sqrt(u), ctx.local_seen, ctx.mode.per_token)
@@ -225,7 +226,7 @@ class MoSRAH(nn.Module):
         else:  # one token per block: nothing is ever taken
             taken = torch.zeros(B, L, dtype=torch.bool, device=h.device)
         idx, P = self.router(h, ctx.live, ctx.input_pos, taken, K, mode.per_token)
-        routes = write_rows(routes, ctx.route_rows, idx.reshape(B * C, K), mode.inplace)
+        routes = write_rows(routes, ctx.route_rows.reshape(-1), idx.reshape(B * C, K), mode.inplace)
         held = (ctx.blocks_done + taken.long())[:, None, :]  # (B, 1, L) tokens per expert
         hot = None
         if C > 1:  # plus earlier tokens of the chunk (a static shape: there are none at decode)

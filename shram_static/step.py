@@ -82,10 +82,12 @@ def context(model, live: torch.Tensor, input_pos: torch.Tensor, ring: int, histo
     rank = inclusive_cumsum(live, mode.per_token) - 1  # (B, C)
     pos = input_pos[:, None] + rank.clamp(min=0)  # (B, C) position of each live token
     count = input_pos + live.long().sum(1)  # (B,) live tokens after this step
-    cos_l, sin_l = model.rope.local(pos)  # (B, C, u)
+    # Every field in the shape the layers read it, computed so rather than viewed: WHY: a view of a
+    # step-level buffer is a `reinterpret_tensor` in Inductor's wrapper at each layer's call
+    cos_l, sin_l = model.rope.local(pos[:, None])  # (B, 1, C, u)
     ring_slot = torch.where(live, pos % R, R)  # (B, C), R is the sink
     ring_rows = ((ar_b[:, None, None] * H + torch.arange(H, device=dev)[:, None]) * (R + 1)
-                 + ring_slot[:, None, :]).reshape(-1)  # (B*H*C,)
+                 + ring_slot[:, None, :])  # (B, H, C)
     j = torch.arange(R + 1, device=dev)  # attention reads all R + 1 rows of a ring, the sink masked
     q_j = (count[:, None] - 1) - (count[:, None] - 1 - j).remainder(R)  # (B, R+1) position in slot j
     dp = pos[:, :, None] - q_j[:, None, :]  # (B, C, R+1)
@@ -97,15 +99,15 @@ def context(model, live: torch.Tensor, input_pos: torch.Tensor, ring: int, histo
     ar_h = torch.arange(1, W, device=dev)  # (W-1,)
     hist_idx = (((input_pos[:, None] - ar_h + N) % N)[:, :, None]
                 + torch.zeros(K, dtype=torch.long, device=dev))  # (B, W-1, K), for gather
-    hist_open = (ar_h <= (input_pos % W)[:, None])[:, :, None, None]  # (B, W-1, 1, 1)
-    route_rows = (ar_b[:, None] * (N + 1) + torch.where(live, pos % N, N)).reshape(-1)  # (B*C,)
+    hist_open = ar_h.reshape(W - 1, 1, 1) <= (input_pos % W).reshape(B, 1, 1, 1)  # (B, W-1, 1, 1)
+    route_rows = ar_b[:, None] * (N + 1) + torch.where(live, pos % N, N)  # (B, C)
     main_cos = main_sin = None
     if cfg.rope_mode == "main_sequence":
         main_cos, main_sin = model.rope.sparse(pos[..., None])  # (B, C, 1, u)
-    return StepContext(live, input_pos, cos_l[:, None], sin_l[:, None], ring_rows,
+    return StepContext(live, input_pos, cos_l, sin_l, ring_rows,
                        attention_bias(local_mask, dtype), local_mask.any(-1, keepdim=True).to(dtype),
-                       main_cos, main_sin, hist_idx, hist_open, route_rows, (input_pos // W)[:, None],
-                       (ar_b * L)[:, None, None], torch.arange(L, device=dev),
+                       main_cos, main_sin, hist_idx, hist_open, route_rows, input_pos[:, None] // W,
+                       ar_b[:, None, None] * L, torch.arange(L, device=dev),
                        slot_numbers(T, dev) if slots is None else slots, model.rope, mode)
 
 
