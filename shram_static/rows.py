@@ -47,8 +47,15 @@ class RowCounts:
 
     def forget(self, n: torch.Tensor | int) -> None:
         """Rows forget their last n (B,) tokens (checked by the caller: n <= `rollbackable`)."""
-        self.live.sub_(n)
-        self.undo.sub_(n)
+        on_cpu = not isinstance(n, torch.Tensor) or n.device.type == "cpu"
+        if self._np is None or not on_cpu or torch.compiler.is_compiling():
+            self.live.sub_(n)
+            self.undo.sub_(n)
+            return
+        k = n.numpy() if isinstance(n, torch.Tensor) else n  # numpy, as in `fed`
+        lv, un = self._np
+        lv -= k
+        un -= k
 
     @property
     def rollbackable(self) -> torch.Tensor:

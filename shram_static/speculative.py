@@ -59,13 +59,17 @@ def _pick(logits: torch.Tensor, warp, sample: bool, gen) -> tuple[torch.Tensor, 
     return draw(p, gen), p
 
 
+def _kept(top: list[int], drafts: list[int]) -> list[int]:
+    """Greedy acceptance: the guesses equal to the argmax `top` (n+1 ids), then the argmax after them."""
+    a = next((i for i, d in enumerate(drafts) if top[i] != d), len(drafts))
+    return drafts[:a] + [top[a]]
+
+
 def _accept(logits: torch.Tensor, drafts: list[int], q: list | None, warp, sample: bool, gen) -> list[int]:
     """The accepted guesses, then the target's own token, from logits (n+1, V) over n drafts;
     q: the draft's (V,) probabilities per guess (sampling with a draft decoder), else None."""
-    if not sample:  # the guesses equal to the argmax, then the argmax after them
-        top = logits.argmax(-1).tolist()
-        a = next((i for i, d in enumerate(drafts) if top[i] != d), len(drafts))
-        return drafts[:a] + [top[a]]
+    if not sample:
+        return _kept(logits.argmax(-1).tolist(), drafts)
     out: list[int] = []
     for i, d in enumerate(drafts):
         p = warp.probs(logits[i])
@@ -167,7 +171,12 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
         pending = [r[:] for r in rows]  # tokens the draft has not been fed yet
         k = kmax  # draft decoder: adapted per round
         gain, skipped = 1.0, 0  # prompt lookup: recent guesses kept per verify step; rounds gated off
-        all_live = torch.ones(B, 1, dtype=torch.bool)  # a decode step's live mask while no row is done
+        # WHY inputs that share numpy's memory, and numpy's argmax: each torch op the loop runs
+        # right after a step costs several times its warm cost (the step evicted the host code)
+        one, one_live = torch.zeros(B, 1, dtype=torch.long), torch.ones(B, 1, dtype=torch.bool)  # decode steps'
+        V = dec.verify_len  # verify steps' ids and live tokens (B, V), where the decoder has them
+        v_ids, v_live = (torch.zeros(B, V, dtype=torch.long), torch.zeros(B, V, dtype=torch.bool)) if V else (0, 0)
+        back_t = torch.zeros(B, dtype=torch.long)  # each row's rejected guesses
         while not all(done):
             if streamer is not None:
                 stream(min(max_new_tokens if done[b] else len(rows[b]) for b in range(B)))
@@ -192,21 +201,29 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
                     drafts = [lookups[b].propose(room[b]) if room[b] > 0 else [] for b in range(B)]
                 skipped = 0 if gate else skipped + 1
             if not any(drafts):
-                dlive = torch.tensor([[not d] for d in done]) if any(done) else all_live
-                logits = dec.feed(torch.tensor([[t] for t in nxt]), dlive)[:, 0]
+                one.numpy()[:, 0] = nxt
+                one_live.numpy()[:, 0] = [not d for d in done]
+                lg = dec.feed(one, one_live)  # (B, 1, V)
                 st["decodes"] += 1
+                top = None if sample else lg.numpy()[:, 0].argmax(-1).tolist()  # the first of equal maxima
                 for b in range(B):
                     if not done[b]:
-                        t, _ = _pick(logits[b], warp, sample, gen)
-                        emit(b, [int(t)])
-                        pending[b].append(int(t))  # the draft was not fed this round
+                        t = int(_pick(lg[b, 0], warp, sample, gen)[0]) if sample else top[b]
+                        emit(b, [t])
+                        pending[b].append(t)  # the draft was not fed this round
                 continue
             n = 1 + max(len(d) for d in drafts)
             # the verify step's own width (dead tokens after each row's guesses): no padding later
             w = dec.verify_len if n <= (dec.verify_len or 0) else n
-            vids = torch.tensor([[nxt[b]] + drafts[b] + [0] * (w - 1 - len(drafts[b])) for b in range(B)])
-            vlive = torch.tensor([[not done[b] and j <= len(drafts[b]) for j in range(w)] for b in range(B)])
-            vl = dec.feed(vids, vlive) if w == dec.verify_len else dec.prefill(vids, vlive)  # (B, w, V)
+            rows_in = [[nxt[b]] + drafts[b] + [0] * (w - 1 - len(drafts[b])) for b in range(B)]
+            live_in = [[not done[b] and j <= len(drafts[b]) for j in range(w)] for b in range(B)]
+            if w == V:
+                v_ids.numpy()[:] = rows_in
+                v_live.numpy()[:] = live_in
+                vl = dec.feed(v_ids, v_live)  # (B, w, V)
+            else:
+                vl = dec.prefill(torch.tensor(rows_in), torch.tensor(live_in))
+            top = None if sample else vl.numpy().argmax(-1).tolist()  # (B, w)
             st["rounds"] += 1
             st["k"].append(n - 1)
             back, draft_back = [0] * B, [0] * B
@@ -216,7 +233,7 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
                     continue
                 d = drafts[b]
                 toks = _accept(vl[b, :len(d) + 1], d, q[b] if draft is not None and sample else None, warp,
-                               sample, gen)
+                               sample, gen) if sample else _kept(top[b], d)
                 a = len(toks) - 1  # guesses kept
                 st["accepted"] += a
                 st["proposed"] += len(d)
@@ -229,7 +246,8 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
                 emit(b, toks)
             # each row forgets no more than the guesses it was just fed (<= k <= rollback_limit)
             if any(back):
-                dec.forget(torch.tensor(back))
+                back_t.numpy()[:] = back
+                dec.forget(back_t)
             if draft is not None:
                 if any(draft_back):
                     draft.forget(torch.tensor(draft_back))
