@@ -24,7 +24,7 @@ class RowCounts:
     def __init__(self, batch_size: int, device=None):
         self.live = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.undo = torch.zeros(batch_size, dtype=torch.long, device=device)
-        # numpy views of CPU counts (the same memory) for `fed`
+        # numpy views of CPU counts (the same memory) for `fed` and `forget`
         self._np = (self.live.numpy(), self.undo.numpy()) if self.live.device.type == "cpu" else None
 
     def fed(self, live: torch.Tensor, rollback_limit: int) -> None:
