@@ -128,7 +128,6 @@ class StaticDecoder(HostDecoder):
         self.module = StepModule(self.model, self.state, per_token_max=verify_len or 1, nested=not cpp_wrapper)
         # the RowLinears and RowExperts, packed again before a step once one of their weights changed
         packers = [m for m in self.module.modules() if isinstance(m, (RowLinear, RowExperts))]
-        self._packed = {id(b) for m in packers for b in m.buffers(recurse=False)}  # their copies
         self._row_owner = [m for m in packers for _ in m.sources]  # the packer of each weight
         self._row_weights = [w for m in packers for w in m.sources]
         self._row_stamps = _stamps(self._row_weights)
@@ -243,7 +242,8 @@ class StaticDecoder(HostDecoder):
         """The tensors of `read` a caller can replace (`.data =`, `set_`) that no stamp covers:
         not the row weights (`_stamps`), nor the packed copies (only a repack replaces them).
         WHY: each tensor checked costs a cache miss on every call right after a step."""
-        skip = self._packed | {id(w) for w in self._row_weights}
+        packed = (b for m in set(self._row_owner) for b in m.buffers(recurse=False))
+        skip = {id(t) for t in (*packed, *self._row_weights)}
         return [t for t in read if id(t) not in skip]
 
     def _follow_weights(self) -> None:
@@ -263,7 +263,6 @@ class StaticDecoder(HostDecoder):
                 self._steps.clear()
                 self._dynamic.clear()
                 self._read_layouts = layouts
-            self._packed = {id(b) for m in set(self._row_owner) for b in m.buffers(recurse=False)}
             self._watched = self._swappable(read)
             self._watched_ptrs = list(map(torch.Tensor.data_ptr, self._watched))
 

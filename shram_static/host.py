@@ -14,7 +14,7 @@ import torch
 from .config import ShramConfig
 from .errors import CapacityError, NonFiniteLogitsError
 from . import loops
-from .rows import RowCounts, canonical, last_live, padded_chunks
+from .rows import RowCounts, canonical, last_live, padded_chunks, tokens_per_row
 from .validation import SMALL, check_capacity, check_input_ids, check_mask, check_positive_ints
 
 __all__ = ["CapacityError", "HostDecoder"]
@@ -367,8 +367,7 @@ class HostDecoder:
         of live, a (B,) or (B, C) bool mask."""
         # WHY Python ints first: a few values need no dispatched torch op (`validation.SMALL`)
         if live.numel() <= SMALL:
-            new = [sum(r) if isinstance(r, list) else int(r) for r in live.tolist()]
-            if max(map(int.__add__, self._counts.live.tolist(), new)) <= self.capacity:
+            if max(map(int.__add__, self._counts.live.tolist(), tokens_per_row(live))) <= self.capacity:
                 return
         n_new = live.long() if live.dim() == 1 else live.long().sum(1)
         check_capacity(self._counts.live + n_new, self.capacity,

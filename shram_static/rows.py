@@ -40,8 +40,7 @@ class RowCounts:
         # WHY Python ints for a few rows: the torch ops above cost microseconds each right after
         # a step (it evicted the host code's caches); `tolist` and numpy items need no dispatch
         lv, un = self._np
-        for b, row in enumerate(live.tolist()):
-            k = sum(row)
+        for b, k in enumerate(tokens_per_row(live)):
             lv[b] += k
             un[b] = min(un[b] + k, rollback_limit)
 
@@ -72,6 +71,12 @@ class RowCounts:
         """Row b takes the counts of row idx[b] (beam search)."""
         self.live.copy_(self.live.index_select(0, idx))
         self.undo.copy_(self.undo.index_select(0, idx))
+
+
+def tokens_per_row(live: torch.Tensor) -> list[int]:
+    """Each row's live tokens in a (B,) or (B, C) bool mask, as Python ints (read by `tolist`:
+    no dispatched torch op; for a few values, `validation.SMALL`)."""
+    return [sum(r) if isinstance(r, list) else int(r) for r in live.tolist()]
 
 
 def padded_chunks(ids: torch.Tensor, live: torch.Tensor, C: int) -> tuple[torch.Tensor, torch.Tensor, range]:

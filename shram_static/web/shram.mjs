@@ -115,15 +115,12 @@ export class ShramModel {
     const opts = { graphOptimizationLevel: "all", ...sessionOptions,
                    extra: { ...sessionOptions.extra, session: { disable_quant_qdq: "1", ...sessionOptions.extra?.session } } };
     const files = manifest.files, sizes = manifest.bytes ?? {};
-    // the graphs that return the rows each step writes (export_web's row_writes_graph), where the
-    // site has them: onnxruntime-web copies every output out of its heap, and under Node too the
-    // few written rows cost less than binding the whole state in place (docs/web.md)
-    const rowWrites = !!files.decode_rows;
-    // a quantized site's onnxruntime-web graphs: weights dequantized at load (MatMulNBits is slow in WASM)
+    // the graphs that return the rows each step writes (export_web's row_writes_graph):
+    // onnxruntime-web copies every output out of its heap, and under Node too the few written
+    // rows cost less than binding the whole state in place (docs/web.md); a quantized site's
+    // onnxruntime-web graphs have their weights dequantized at load (MatMulNBits is slow in WASM)
     const dq = web && files.decode_rows_dq ? "_dq" : "";
-    const decodeFile = rowWrites ? files[`decode_rows${dq}`] : files.decode;
-    const prefillFile = rowWrites ? files[`prefill_rows${dq}`] : files.prefill;
-    const roles = { decode: decodeFile, prefill: prefillFile };
+    const roles = { decode: files[`decode_rows${dq}`], prefill: files[`prefill_rows${dq}`] };
     const role = (f) => Object.keys(files).find((k) => files[k] === f);
     let used = threads ?? null, sessions;
     if (web) {
@@ -134,7 +131,7 @@ export class ShramModel {
       used = ort.env.wasm.numThreads;
       // onnxruntime-web reads no file beside the graph by itself: hand it the weights, read once
       // for both graphs; every file downloads at once
-      const wanted = [files.data, decodeFile, prefillFile].filter(Boolean);
+      const wanted = [files.data, roles.decode, roles.prefill].filter(Boolean);
       const bytes = await Promise.all(wanted.map((f) => readBytes(base, f, onProgress, sizes[role(f)])));
       const got = Object.fromEntries(wanted.map((f, i) => [f, bytes[i]]));
       sessions = {};
@@ -154,15 +151,11 @@ export class ShramModel {
       }
     }
     const model = new ShramModel(ort, manifest, tokenizer, sessions.decode, sessions.prefill ?? null);
-    model.rowWrites = rowWrites;
-    if (rowWrites) {
-      // where each state's written rows lie in a graph's outputs (`row_writes_graph`'s layout)
-      const width = Object.fromEntries(manifest.state.map(({ name, dims }) => [name, dims.slice(1).reduce((a, b) => a * b, 1)]));
-      const lay = (r) => manifest.writes[r].map((w) => ({ ...w, past: `past.${w.state}`, width: width[w.state] }));
-      model.writesOf = new Map([[sessions.decode, lay("decode_rows")]]);
-      if (sessions.prefill) model.writesOf.set(sessions.prefill, lay("prefill_rows"));
-    }
-    model.inplace = !web && !rowWrites;
+    // where each state's written rows lie in a graph's outputs (`row_writes_graph`'s layout)
+    const width = Object.fromEntries(manifest.state.map(({ name, dims }) => [name, dims.slice(1).reduce((a, b) => a * b, 1)]));
+    const lay = (r) => manifest.writes[r].map((w) => ({ ...w, past: `past.${w.state}`, width: width[w.state] }));
+    model.writesOf = new Map([[sessions.decode, lay("decode_rows")]]);
+    if (sessions.prefill) model.writesOf.set(sessions.prefill, lay("prefill_rows"));
     model.threads = used;
     model.executionProvider = web ? executionProviders[0] : "cpu";
     model.files = Object.values(roles).filter(Boolean).concat(files.data);
@@ -180,9 +173,7 @@ export class ShramModel {
     this.vocabSize = manifest.vocab_size;
     this.quantize = manifest.quantize ?? null;
     this.busy = false;
-    this.rowWrites = false;  // set by load (see #step)
-    this.writesOf = null;  // with rowWrites: session -> where its outputs hold each state's rows
-    this.inplace = false;
+    this.writesOf = null;  // set by load: session -> where its outputs hold each state's rows (see #step)
   }
 
   /**
@@ -240,30 +231,15 @@ export class ShramModel {
       input_ids: new T("int64", ids, [1, chunk]), position_ids: new T("int64", BigInt64Array.of(BigInt(pos)), [1]),
       live: new T("bool", live, [1, chunk]), ...state,
     };
-    let out;
-    if (this.inplace) {
-      // onnxruntime-node writes a preallocated output where its buffer lies, and reads inputs
-      // where they lie: each present.X bound to past.X's own buffer updates the state in place
-      // (the graphs' state writes then skip copying the whole tensor, as load_onnx's IOBinding
-      // does; correct because no node reads an old state tensor after writing it).
-      const fetches = { logits: null };
-      for (const { name } of this.manifest.state) fetches[`present.${name}`] = state[`past.${name}`];
-      out = await sess.run(feeds, fetches);
-    } else if (this.rowWrites) {
-      // onnxruntime-web copies every input into its WASM heap and every output out of it (and
-      // onnxruntime-node allocates every output anew): the graph returns only the rows it
-      // wrote, applied here to the state this module holds (in write order: the last write to
-      // a row wins, as in the graph)
-      out = await sess.run(feeds);
-      const index = out["write.index"].data;
-      for (const { past, at, n, rows, from, width: w } of this.writesOf.get(sess)) {
-        const src = out[rows].data, dst = state[past].data;
-        for (let i = 0; i < n; i++) dst.set(src.subarray((from + i) * w, (from + i + 1) * w), Number(index[at + i]) * w);
-      }
-    } else {
-      // a site without the row-writes graphs: the outputs are the next step's state
-      out = await sess.run(feeds);
-      for (const { name } of this.manifest.state) state[`past.${name}`] = out[`present.${name}`];
+    // onnxruntime-web copies every input into its WASM heap and every output out of it (and
+    // onnxruntime-node allocates every output anew): the graph returns only the rows it wrote,
+    // applied here to the state this module holds (in write order: the last write to a row
+    // wins, as in the graph)
+    const out = await sess.run(feeds);
+    const index = out["write.index"].data;
+    for (const { past, at, n, rows, from, width: w } of this.writesOf.get(sess)) {
+      const src = out[rows].data, dst = state[past].data;
+      for (let i = 0; i < n; i++) dst.set(src.subarray((from + i) * w, (from + i + 1) * w), Number(index[at + i]) * w);
     }
     const lg = out.logits.data;  // [1, 1 or chunk, V]: the last live token's row
     const row = lg.length === this.vocabSize ? 0 : tokens.length - 1;
