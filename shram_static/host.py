@@ -124,7 +124,7 @@ class HostDecoder:
         ids, live = self.check_prompt(input_ids, attention_mask)
         self._check_capacity(live)
         B, N = ids.shape
-        C, V = self.prefill_chunk, self.config.vocab_size
+        C, V = self.prefill_chunk, self.vocab_size
         ids, live, starts = padded_chunks(ids, live, C)
         out = []
         last = torch.zeros(B, V)  # (B, V) logits at each row's last live token so far

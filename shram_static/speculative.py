@@ -174,8 +174,9 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
         # WHY inputs that share numpy's memory, and numpy's argmax: each torch op the loop runs
         # right after a step costs several times its warm cost (the step evicted the host code)
         one, one_live = torch.zeros(B, 1, dtype=torch.long), torch.ones(B, 1, dtype=torch.bool)  # decode steps'
-        V = dec.verify_len  # verify steps' ids and live tokens (B, V), where the decoder has them
-        v_ids, v_live = (torch.zeros(B, V, dtype=torch.long), torch.zeros(B, V, dtype=torch.bool)) if V else (0, 0)
+        vlen = dec.verify_len  # verify steps' ids and live tokens (B, vlen), where the decoder has them
+        v_ids, v_live = ((torch.zeros(B, vlen, dtype=torch.long), torch.zeros(B, vlen, dtype=torch.bool))
+                         if vlen else (None, None))
         back_t = torch.zeros(B, dtype=torch.long)  # each row's rejected guesses
         while not all(done):
             if streamer is not None:
@@ -217,7 +218,7 @@ def speculative_generate(dec, ids: torch.Tensor, live: torch.Tensor, max_new_tok
             w = dec.verify_len if n <= (dec.verify_len or 0) else n
             rows_in = [[nxt[b]] + drafts[b] + [0] * (w - 1 - len(drafts[b])) for b in range(B)]
             live_in = [[not done[b] and j <= len(drafts[b]) for j in range(w)] for b in range(B)]
-            if w == V:
+            if w == vlen:
                 v_ids.numpy()[:] = rows_in
                 v_live.numpy()[:] = live_in
                 vl = dec.feed(v_ids, v_live)  # (B, w, V)
