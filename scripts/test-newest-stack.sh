@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The test suite on one supported torch/ExecuTorch pair, in a virtual environment of its own:
-# by default the newest, torch 2.14.1 + ExecuTorch 1.5.1, and the newest releases of everything
+# by default torch 2.14.1 + ExecuTorch 1.5.1, and the newest releases of everything
 # else, as `pip install -e ".[test]"` resolves them for a new user.
 #
 #   scripts/test-newest-stack.sh            # venv in .venv-newest (reused if present)
 #   VENV=/tmp/v scripts/test-newest-stack.sh -k export   # extra args go to pytest
 #   TORCH=2.13.0 EXECUTORCH=1.4.1 VENV=.venv-oldest scripts/test-newest-stack.sh   # the oldest pair
+#   TORCH=2.15.0 VENV=.venv-2.15 scripts/test-newest-stack.sh   # the newest torch (where pip serves it)
 #
 # TORCH_INDEX=<url> takes torch from another index (e.g. a CPU-only wheel index); without it pip
 # takes the registry's default build of torch $TORCH (a CUDA build of several GB on Linux).

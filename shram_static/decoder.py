@@ -1,6 +1,7 @@
 """`StaticDecoder`: the static steps in PyTorch, eager or `torch.compile(fullgraph=True)`."""
 
 import contextlib
+import itertools
 import operator
 import os
 import types
@@ -50,6 +51,7 @@ STEP_OPTIONS = {**NO_SIZE_ASSERTS, **FMA_CONTRACTION, "guard_filter_fn": owned_g
 STACK_BUFFERS = {"aot_inductor.allow_stack_allocation": True}
 KINDS = ("decode", "prefill", "verify", "prefill_last")  # the kinds of step (`StaticDecoder.step_function`)
 CPP_WRAPPER_ENV = "SHRAM_STATIC_CPP_WRAPPER"  # 1: compiled decoders add {"cpp_wrapper": True} to their options
+_DECODERS = itertools.count()  # each decoder's number, in the names of its steps' code objects
 
 
 def cpp_wrapper_default() -> bool:
@@ -124,7 +126,7 @@ class StaticDecoder(HostDecoder):
         # the verify step attends per token: Inductor reads the gathered caches in place
         cpp_wrapper = bool((options or {}).get("cpp_wrapper"))
         # WHY unrolled under the C++ wrapper: it cannot compile a nested region (invoke_subgraph) on
-        # torch 2.14 and before
+        # torch 2.14 and before, nor one called more than once on 2.15 (docs/upstream/pytorch.md)
         self.module = StepModule(self.model, self.state, per_token_max=verify_len or 1, nested=not cpp_wrapper)
         # the RowLinears and RowExperts, packed again before a step once one of their weights changed
         packers = [m for m in self.module.modules() if isinstance(m, (RowLinear, RowExperts))]
@@ -151,6 +153,7 @@ class StaticDecoder(HostDecoder):
         self.prefix_lengths = lengths[-1:] if kinds and not accelerators.dynamic_length() else lengths
         self._slots = PrefixSlots(model.config, self.prefix_lengths, p.device)
         self._steps: dict[tuple[str, bool], object] = {}  # (kind, long) -> its step function
+        self._number = next(_DECODERS)
         if kinds:
             accelerators.prepare_compile(p.device.type)  # ISA check beside the first trace; batched builds
 
@@ -179,8 +182,12 @@ class StaticDecoder(HostDecoder):
             return module(tokens, input_pos, live, last_only=last_only, slots=slots)
         if kind in self._compiled_kinds:
             # WHY a new code object: Dynamo keeps its compiled graphs per code object, so the
-            # closures of `run` (of every kind and decoder) would share one cache and recompile
-            name = f"{kind}_step" + "_long" * long
+            # closures of `run` (of every kind and decoder) would share one cache and recompile.
+            # WHY the decoder's number in its name: Dynamo's automatic dynamic shapes remember the
+            # values seen by a code object's (file, line, name), so a later decoder of another
+            # config would compile that config's sizes as symbols (on torch 2.15 its nested layer
+            # region then fails to trace)
+            name = f"{kind}_step" + "_long" * long + f"_{self._number}"
             code = run.__code__.replace(co_name=name, co_qualname=name)
             # WHY `dynamic` unset: every shape is static by default (the slots' length is marked
             # dynamic by itself), and `dynamic=False` patches Dynamo's config around every call

@@ -77,11 +77,12 @@ def test_supported_versions_are_checked():
     assert check_versions({"torch": "2.13.0+cpu", "executorch": "1.4.1"}) == []
     assert check_versions({"torch": "2.14.1+cu130", "executorch": "1.5.1"}) == []
     assert check_versions({"torch": "2.14.1", "executorch": None}) == []  # ExecuTorch optional here
-    newer = check_versions({"torch": "2.15.0", "executorch": "1.5.1"})
-    assert len(newer) == 1 and "torch 2.15.0" in newer[0] and "torch 2.13-2.14" in newer[0]
+    assert check_versions({"torch": "2.15.0", "executorch": "1.5.1"}) == []
+    newer = check_versions({"torch": "2.16.0", "executorch": "1.5.1"})
+    assert len(newer) == 1 and "torch 2.16.0" in newer[0] and "torch 2.13-2.15" in newer[0]
     for versions in ({"torch": "2.12.1", "executorch": "1.4.1"}, {"torch": "2.13.0", "executorch": "1.3.0"},
                      {"torch": None}):
-        with pytest.raises(UnsupportedVersionError, match=r"torch 2\.13-2\.14, executorch 1\.4-1\.5"):
+        with pytest.raises(UnsupportedVersionError, match=r"torch 2\.13-2\.15, executorch 1\.4-1\.5"):
             check_versions(versions)
 
 
@@ -121,7 +122,7 @@ def test_importing_with_an_old_torch_names_the_supported_versions():
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("shram_static.accelerators.registry.UnsupportedVersionError")
-    assert "torch 2.11.0 is installed" in last and "torch 2.13-2.14" in last
+    assert "torch 2.11.0 is installed" in last and "torch 2.13-2.15" in last
 
 
 @pytest.mark.heavy

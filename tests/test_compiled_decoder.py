@@ -299,6 +299,24 @@ def test_two_compiled_decoders_interleaved_run_their_own_graphs():
             torch.testing.assert_close(d.decode(i[:, t]), w[:, t], atol=TOL, rtol=0)
 
 
+def test_a_later_decoder_of_other_sizes_compiles_them_as_constants(monkeypatch):
+    """A compiled decoder built after one of another batch size and config compiles its own
+    sizes as constants: its decode graph, like the first's, has at most one symbolic size (the
+    slots' length P, where `accelerators.dynamic_length` is on), not Dynamo's automatic dynamic shapes for what differs from the earlier decoder
+    (which, on torch 2.15, its nested layer region cannot trace)."""
+    compile_, symbols = torch.compile, []
+
+    def capture(gm, inputs):
+        symbols.append(sum(isinstance(x, torch.SymInt) for x in inputs))
+        return gm.forward
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend=capture, fullgraph=True))
+    models = [compiled_test_model(14), randomize_(ShramForCausalLM(random_config(15, num_decoder_layers=1)), 15).eval()]
+    with torch.no_grad():
+        for B, m in zip((1, 2), models):
+            StaticDecoder(m, batch_size=B, compile=["decode"]).decode(torch.zeros(B, dtype=torch.long))
+    assert len(symbols) == 2 and symbols[1] == symbols[0] <= 1, symbols
+
+
 def test_cpp_wrapper_option_unrolls_the_layers():
     """Inductor's C++ wrapper cannot compile the nested layer region (invoke_subgraph) on this
     torch: a decoder given `cpp_wrapper` in its options traces every layer inline, one without it

@@ -24,7 +24,7 @@ def _can_merge_partitions(self, p1, p2, partitions_by_id) -> bool:
 
 
 def _legalize_order(gm) -> list:
-    """The node order `torch.fx.passes.tools_common.legalize_graph` (torch 2.13-2.14) gives
+    """The node order `torch.fx.passes.tools_common.legalize_graph` (torch 2.13-2.15) gives
     `gm`: Kahn's algorithm over a deque, runtime-assertion and scalar ops first."""
     import collections
     import operator
