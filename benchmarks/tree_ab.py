@@ -8,7 +8,9 @@ rolled back), then one `generate` (400 tokens on the built-in model, 40 on the b
 Prints each figure's medians and new/old (above 1: the new checkout is slower).
 
     python benchmarks/tree_ab.py OLD_DIR NEW_DIR [--model bench] [--rounds 8] [--quantize int8|int4]
-        [--new-options '{"cpp_wrapper": true}'] [--context 800]
+        [--new-options '{"cpp_wrapper": true}'] [--context 800] [--new-python VENV/bin/python]
+
+`--new-python` runs the new side in another interpreter (another torch, in a venv of its own).
 """
 
 import argparse
@@ -71,11 +73,13 @@ def main(argv=None) -> int:
     ap.add_argument("--quantize", choices=["int8", "int4"], default="", help="the compiled-int8 / -int4 layers")
     ap.add_argument("--new-options", default="{}", help="JSON: Inductor options of the new side's decoder")
     ap.add_argument("--context", type=int, default=64, help="tokens prefilled before the decode and verify steps")
+    ap.add_argument("--new-python", default=sys.executable, help="the new side's interpreter (default: this one)")
     args = ap.parse_args(argv)
     ws = {}
     for side, tree in (("old", args.old), ("new", args.new)):
         env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
-        ws[side] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", args.model,
+        python = args.new_python if side == "new" else sys.executable
+        ws[side] = subprocess.Popen([python, os.path.abspath(__file__), "--worker", args.model,
                                      args.quantize, args.new_options if side == "new" else "{}", str(args.context)],
                                     env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         print(side, "warm-up", json.loads(ws[side].stdout.readline()), flush=True)
