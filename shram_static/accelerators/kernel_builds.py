@@ -181,20 +181,23 @@ def combined_source(argtypes: list[list[str]], sources: list[str]) -> str | None
                                         call_entry_func=f"{name}({args}); Py_RETURN_NONE;",
                                         extra_parse_arg=C.extra_parse_arg.format(array_len=-1))
 
-    methods, module = "static PyMethodDef py_methods[]", "static struct PyModuleDef py_module"
-    head, functions = None, []
+    methods, module, last = "static PyMethodDef py_methods[]", "static struct PyModuleDef py_module", "{NULL, NULL, 0, NULL}"
+    head, functions, rows = None, [], []
     for i, types in enumerate(argtypes):
         s = suffix(f"kernel_{i}", types)
         start = s.find(f"static PyObject* kernel_{i}_py(")
         end = s.find(methods)
-        if start < 0 or end < start or s.count(methods) != 1:
+        if start < 0 or end < start or s.count(methods) != 1 or s.find(last, end) < 0:
             return None
         head = head or s[:start]
         functions.append(s[start:end])
+        # WHY the template's own row: its calling convention differs between releases (METH_FASTCALL from 2.15)
+        rows.append(s[s.find("{", end) + 1:s.find(last, end)])
+        if f'"kernel_{i}"' not in rows[-1]:
+            return None
     s = suffix("kernel", [])
     if s.count(module) != 1 or C.entry_function != "kernel":
         return None
     module_part = s[s.find(module):]
-    table = "".join(f'    {{"kernel_{i}", kernel_{i}_py, METH_VARARGS, ""}},\n' for i in range(len(sources)))
     return ("\n".join(parts) + head + "".join(functions)
-            + f"{methods} = {{\n{table}    {{NULL, NULL, 0, NULL}}}};\n\n" + module_part)
+            + f"{methods} = {{" + "".join(rows) + f"{last}}};\n\n" + module_part)

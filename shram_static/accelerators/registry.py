@@ -23,8 +23,6 @@ STOCK_ENV = "SHRAM_STATIC_STOCK"
 # The releases the accelerators were verified on (their tests pass, stock and accelerated
 # paths compared); a local build tag (`+cpu`, `+cu130`) is ignored.
 TORCH = ("2.13.0", "2.14.1", "2.15.0")
-# batched_kernel_builds only: on 2.15.0 some graphs' kernels were still built a file each (its tests fail)
-TORCH_TO_2_14 = ("2.13.0", "2.14.1")
 EXECUTORCH = ("1.4.1", "1.5.1")
 ONNXSCRIPT = ("0.7.2",)
 
@@ -51,7 +49,7 @@ REGISTRY: dict[str, Accelerator] = {a.name: a for a in [
     _acc("dynamic_prefix", "dynamic_length", "torch._dynamo.maybe_mark_dynamic", torch=TORCH),
     _acc("batched_kernel_builds", "kernel_builds.hook_compiles",
          "torch._inductor.async_compile.AsyncCompile.cpp_pybinding, CppPythonBindingsCodeCache templates; "
-         "torch._dynamo.callback.callback_handler", torch=TORCH_TO_2_14),
+         "torch._dynamo.callback.callback_handler", torch=TORCH),
     # .pte lowering (each leaves the program as the stock lowering writes it)
     _acc("one_trace_lowering", "one_trace.export_and_lower",
          "torch.export._trace._export/_export_to_aten_ir; executorch.exir.program._program "
