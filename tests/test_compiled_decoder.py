@@ -302,8 +302,9 @@ def test_two_compiled_decoders_interleaved_run_their_own_graphs():
 def test_a_later_decoder_of_other_sizes_compiles_them_as_constants(monkeypatch):
     """A compiled decoder built after one of another batch size and config compiles its own
     sizes as constants: its decode graph, like the first's, has at most one symbolic size (the
-    slots' length P, where `accelerators.dynamic_length` is on), not Dynamo's automatic dynamic shapes for what differs from the earlier decoder
-    (which, on torch 2.15, its nested layer region cannot trace)."""
+    slots' length P, where `accelerators.dynamic_length` is on), not Dynamo's automatic dynamic
+    shapes for what differs from the earlier decoder (which, on torch 2.15, its nested layer
+    region cannot trace)."""
     compile_, symbols = torch.compile, []
 
     def capture(gm, inputs):

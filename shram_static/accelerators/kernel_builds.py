@@ -181,7 +181,8 @@ def combined_source(argtypes: list[list[str]], sources: list[str]) -> str | None
                                         call_entry_func=f"{name}({args}); Py_RETURN_NONE;",
                                         extra_parse_arg=C.extra_parse_arg.format(array_len=-1))
 
-    methods, module, last = "static PyMethodDef py_methods[]", "static struct PyModuleDef py_module", "{NULL, NULL, 0, NULL}"
+    methods, module = "static PyMethodDef py_methods[]", "static struct PyModuleDef py_module"
+    last = "{NULL, NULL, 0, NULL}"  # the method table's closing row
     head, functions, rows = None, [], []
     for i, types in enumerate(argtypes):
         s = suffix(f"kernel_{i}", types)
