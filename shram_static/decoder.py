@@ -209,8 +209,11 @@ class StaticDecoder(HostDecoder):
         depths = [0] + [self.config.block_length * ACC_CHUNK] * (self.prefix_lengths[-1] > ACC_CHUNK)
         for kind in kinds:
             C = widths[kind]
+            # a cold compile under the C++ wrapper takes minutes (the layers unrolled): say so while it runs
+            slow = kind in self._compiled_kinds and self._options[kind].get("cpp_wrapper")
             for depth in depths:
-                info(f"warming up the {kind} step" + f" (prefixes over {ACC_CHUNK} slots)" * (depth > 0))
+                info(f"warming up the {kind} step" + f" (prefixes over {ACC_CHUNK} slots)" * (depth > 0)
+                     + " under Inductor's C++ wrapper: minutes the first time, then from Inductor's cache" * bool(slow))
                 self._run(torch.zeros(B, C, dtype=torch.long), torch.full((B,), depth),
                           torch.zeros(B, C, dtype=torch.bool), kind)
 

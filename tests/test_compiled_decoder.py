@@ -352,6 +352,21 @@ def test_cpp_wrapper_option_unrolls_the_layers():
         assert [o.get(stack) for o in kinds] == [want] * len(kinds)
 
 
+def test_warm_up_says_a_cpp_wrapper_compile_takes_minutes(monkeypatch, capsys):
+    """`warm_up` names the C++ wrapper's first compile (minutes) on each kind of step compiled
+    under it, and not on those compiled by default or run eagerly."""
+    from helpers import tiny_model
+
+    model = tiny_model()
+    for options, compile, want in (({"cpp_wrapper": True}, True, True), ({}, True, False),
+                                   ({"cpp_wrapper": True}, {"decode"}, None)):
+        dec = StaticDecoder(model, compile=compile, options=options)
+        monkeypatch.setattr(dec, "_run", lambda *a, **k: None)  # the messages, not the compile
+        dec.warm_up(("decode", "prefill_last"))
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warming up")]
+        said = ["C++ wrapper: minutes the first time" in line for line in lines]
+        assert len(lines) == 2 and said == ([want, want] if want is not None else [True, False]), lines
+
 def test_cpp_wrapper_from_the_environment(monkeypatch):
     """SHRAM_STATIC_CPP_WRAPPER=1 gives compiled decoders (every command's) the C++ wrapper unless
     their options say otherwise, eager ones nothing; a bad value is refused by name."""
