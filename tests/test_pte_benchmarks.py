@@ -12,6 +12,8 @@ from helpers import delegated_ops, program_ops, tiny_model
 
 from shram_static.export.pte import lower_program
 
+pytestmark = pytest.mark.heavy  # each lowers a program or five (10-15 s on 2 busy cores)
+
 
 @pytest.mark.parametrize("quantize", [None, "int8"])
 def test_linear_only_program_of_the_benchmark(quantize):
