@@ -14,6 +14,7 @@ those (a verify step of w tokens costing 1 + (verify cost - 1) (w - 1) / k decod
 cost growing linearly with the tokens) and decodes plainly when none would be kept.
 
     python benchmarks/prompt_lookup.py [--model builtin|DIR] [--tokens 400] [--verify-cost 1.55] [--speculate 4]
+        [--gate-cost 1.65]
 """
 
 import argparse
@@ -35,7 +36,8 @@ EXTRA = {"hamlet (grounded)": HAMLET + "\n" + HAMLET[:80], "lear (grounded)": LE
          "summary (grounded)": HAMLET + "\nIn short, Hamlet asks whether", "JULIET: (free)": "JULIET:",
          "KING HENRY: (free)": "KING HENRY:\n", "ACT I. SCENE (free)": "ACT I. SCENE"}
 # (max_ngram, min_ngram, probe_every): the package's setting first, then alternatives
-SETTINGS = [None, (3, 1, 8), (8, 1, 8), (3, 2, 8), (3, 1, 2), (8, 2, 8), (8, 2, 4), (12, 2, 2)]
+SETTINGS = [None, (3, 1, 8), (8, 1, 8), (3, 2, 8), (3, 1, 2), (8, 2, 8), (8, 2, 4), (12, 2, 2), (16, 2, 2),
+            (8, 3, 2), (8, 4, 2), (8, 3, 1), (8, 2, 1)]
 
 
 class Scripted:
@@ -72,19 +74,19 @@ class Scripted:
         return contextlib.nullcontext()
 
 
-def steps(prompt: list[int], new: list[int], vocab: int, setting, k: int = 4) -> dict:
-    """speculative_generate's stats replaying `new` after `prompt` with a lookup setting and at
-    most k guesses per verify step (of k + 1 tokens)."""
+def steps(prompt: list[int], new: list[int], vocab: int, setting, k: int = 4, gate: float | None = None) -> dict:
+    """speculative_generate's stats replaying `new` after `prompt` with a lookup setting, at
+    most k guesses per verify step (of k + 1 tokens), and the gate's verify cost (None: the package's)."""
     from shram_static.sampling import Sampler
 
     from shram_static import speculative
     dec = Scripted(prompt + new, vocab, verify_len=k + 1)
     ids = torch.tensor([prompt])
     st = {}
-    patches = []
+    patches = [] if gate is None else [mock.patch.object(speculative, "VERIFY_COST", gate)]
     if setting is not None:
         mx, mn, probe = setting
-        patches = [mock.patch.object(speculative, "PROBE_EVERY", probe),
+        patches += [mock.patch.object(speculative, "PROBE_EVERY", probe),
                    mock.patch.object(speculative, "LOOKUP_NGRAMS", (mx, mn))]
     for p in patches:
         p.start()
@@ -129,6 +131,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=positive_int, default=400)
     ap.add_argument("--verify-cost", type=float, default=1.55, help="a verify step's cost in decode steps")
     ap.add_argument("--speculate", type=positive_int, default=4, help="k, the most guesses per verify step")
+    ap.add_argument("--gate-cost", type=float, help="the gate's verify cost (speculative.VERIFY_COST) in the "
+                    "replays; default the package's")
     args = ap.parse_args(argv)
     from shram_static import StaticDecoder
     from shram_static.bench import build_model
@@ -151,7 +155,7 @@ def main(argv=None) -> int:
         print(label)
         logs = []
         for name, (p, g) in runs.items():
-            st = steps(p, g, model.config.vocab_size, setting, args.speculate)
+            st = steps(p, g, model.config.vocab_size, setting, args.speculate, args.gate_cost)
             x = (len(g) - 1) / (st["decodes"] + args.verify_cost * st["rounds"])
             logs.append(math.log(x))
             print(f"  {name:32s} verify {st['rounds']:3d}  decode {st['decodes']:3d}  -> {x:.2f}x plain")
