@@ -87,7 +87,7 @@ def steps(prompt: list[int], new: list[int], vocab: int, setting, k: int = 4, ga
     if setting is not None:
         mx, mn, probe = setting
         patches += [mock.patch.object(speculative, "PROBE_EVERY", probe),
-                   mock.patch.object(speculative, "LOOKUP_NGRAMS", (mx, mn))]
+                    mock.patch.object(speculative, "LOOKUP_NGRAMS", (mx, mn))]
     for p in patches:
         p.start()
     try:
