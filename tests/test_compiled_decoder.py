@@ -367,6 +367,7 @@ def test_warm_up_says_a_cpp_wrapper_compile_takes_minutes(monkeypatch, capsys):
         said = ["C++ wrapper: minutes the first time" in line for line in lines]
         assert len(lines) == 2 and said == ([want, want] if want is not None else [True, False]), lines
 
+
 def test_cpp_wrapper_from_the_environment(monkeypatch):
     """SHRAM_STATIC_CPP_WRAPPER=1 gives compiled decoders (every command's) the C++ wrapper unless
     their options say otherwise, eager ones nothing; a bad value is refused by name."""
