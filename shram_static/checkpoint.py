@@ -7,12 +7,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from .checkpoint_dir import CONFIG_FILE, WEIGHTS_FILE, check_checkpoint_dir
 from .config import ShramConfig
 from .errors import CheckpointError
 from .rope import RotaryTables
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -54,14 +53,7 @@ def load_pretrained(cls, path, dtype: torch.dtype | str = torch.float32, config:
     path, dtype = _resolve_kwargs(os.fspath(path), dtype, kwargs)
     if config is not None and not isinstance(config, ShramConfig):
         raise TypeError(f"config must be a ShramConfig, got {type(config).__name__}")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise NotADirectoryError(f"{path!r} is a file; give the checkpoint directory that holds "
-                                 f"{CONFIG_FILE} and {WEIGHTS_FILE}")
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
-    for f in (CONFIG_FILE, WEIGHTS_FILE):
-        if not os.path.isfile(os.path.join(path, f)):
-            raise FileNotFoundError(f"checkpoint directory {path!r} has no {f}")
+    check_checkpoint_dir(path)
     if config is None:
         config = _read_config(os.path.join(path, CONFIG_FILE))
     weights = os.path.join(path, WEIGHTS_FILE)

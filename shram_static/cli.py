@@ -7,6 +7,7 @@ import sys
 import time
 
 from .backends import BACKENDS, find_backend
+from .checkpoint_dir import check_checkpoint_dir
 from .console import info, positive_int
 
 
@@ -18,6 +19,9 @@ def generate(args) -> int:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     where = args.checkpoint if args.checkpoint is not None else "the built-in model"
     info(f"loading {where} ...")  # before the imports: torch and transformers take seconds
+    for d in (args.checkpoint, args.draft):
+        if d is not None:
+            check_checkpoint_dir(d)
     import torch
 
     from .decoders import make_decoder

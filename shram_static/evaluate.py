@@ -16,6 +16,7 @@ import sys
 import time
 
 from .backends import BACKENDS
+from .checkpoint_dir import check_checkpoint_dir
 from .decoders import make_decoder
 from .console import info, positive_int
 
@@ -105,12 +106,14 @@ def evaluate(text, checkpoint=None, backend: str = "eager", max_bytes: int | Non
     Raises:
         FileNotFoundError, ValueError (incl. CheckpointError): bad text, checkpoint or option.
     """
-    from .default_model import load_model_and_tokenizer
-    from .tokenizer import ByteTokenizer
-
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     data = read_text_bytes(text, max_bytes)
+    if checkpoint is not None:
+        check_checkpoint_dir(checkpoint)  # before the seconds of importing torch
+    from .default_model import load_model_and_tokenizer
+    from .tokenizer import ByteTokenizer
+
     model, tok = load_model_and_tokenizer(checkpoint)
     if not isinstance(tok, ByteTokenizer):
         raise ValueError(f"checkpoint {checkpoint!r} has its own tokenizer.json; eval scores bytes "

@@ -59,7 +59,6 @@ def test_module_generate(builtin_expected):
     assert b"Traceback" not in r.stderr
 
 
-@pytest.mark.heavy
 def test_installed_entry_point_exits_2_on_error(tmp_path):
     """The `shram-static` console script that `pip install -e .` puts on PATH, on a missing
     checkpoint: exit status 2, the progress line and one `error:` line, no traceback, nothing
@@ -291,13 +290,25 @@ def _imported_after(code: str) -> set[str]:
     return set(out.stdout.splitlines()[-1].split())  # the last line: after any help text
 
 
-def test_the_cli_answers_help_and_bad_arguments_without_torch():
-    """`shram-static --help`, a subcommand's `--help` and an argument error never import torch."""
+def test_the_cli_answers_help_and_bad_arguments_without_torch(tmp_path):
+    """`shram-static --help`, a subcommand's `--help`, an argument error and a checkpoint directory
+    that is missing or lacks its weights never import torch: each command refuses such a path
+    (status 2) before the seconds of importing torch and transformers."""
+    (tmp_path / "text.txt").write_text("some text")
+    (tmp_path / "no_weights").mkdir()
+    (tmp_path / "no_weights" / "config.json").write_text("{}")
+    missing, no_weights = str(tmp_path / "missing"), str(tmp_path / "no_weights")
+    bad_paths = [["generate", "--prompt", "x", "--checkpoint", missing],
+                 ["generate", "--prompt", "x", "--draft", no_weights],
+                 ["export", "--format", "onnx", "--out", str(tmp_path / "out"), "--checkpoint", no_weights],
+                 ["eval", "--text", str(tmp_path / "text.txt"), "--checkpoint", missing],
+                 ["serve", "--checkpoint", missing]]
     mods = _imported_after("import contextlib\nfrom shram_static.cli import main\n"
                            "for argv in (['--help'], ['export', '--help'], ['bench', '--help'], ['serve', '--help'],\n"
                            "             ['generate'], ['bench-speculative', '--speculate', '0']):\n"
                            "    with contextlib.suppress(SystemExit):\n"
-                           "        main(argv)")
+                           "        main(argv)\n"
+                           f"assert [main(argv) for argv in {bad_paths!r}] == [2] * {len(bad_paths)}")
     assert not mods & {"torch", "transformers", "numpy"}, mods
 
 

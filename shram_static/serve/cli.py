@@ -6,6 +6,7 @@ import signal
 import sys
 
 from ..backends import BACKENDS, find_backend
+from ..checkpoint_dir import check_checkpoint_dir
 from ..console import positive_int
 from .limits import MAX_BODY_BYTES, MAX_STOP, MAX_STOP_CHARS
 
@@ -17,6 +18,8 @@ def serve(args) -> int:
 
     import_server()  # a missing extra is named before the app's imports fail on it
     info(f"loading {args.checkpoint or 'the built-in model'} ({args.backend}) ...")  # torch takes seconds
+    if args.checkpoint is not None:
+        check_checkpoint_dir(args.checkpoint)
     from .app import create_app
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         info(f"listening on {args.host}: reachable from other machines"
