@@ -167,10 +167,19 @@ def test_a_failed_step_ends_every_request_and_stops_the_server(model):
 
 
 def test_serve_exits_nonzero_when_the_model_cannot_load(tmp_path, capsys):
-    """A server never sits at 503 for ever: `serve` of a checkpoint that fails to load exits 1."""
-    assert main(["serve", "--checkpoint", str(tmp_path / "missing"), "--backend", "eager", "--port", "0",
-                 "--log-level", "critical"]) == 1
+    """A server never sits at 503 for ever: `serve` of a checkpoint that fails to load exits 1
+    (its weights file is not safetensors); a directory that is missing is refused at once, before
+    any server starts, as every command refuses it (status 2)."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "shram"}))
+    (bad / "model.safetensors").write_bytes(b"not safetensors")
+    args = ["--backend", "eager", "--port", "0", "--log-level", "critical"]
+    assert main(["serve", "--checkpoint", str(bad), *args]) == 1
     assert "could not be loaded" in capsys.readouterr().err
+    assert main(["serve", "--checkpoint", str(tmp_path / "missing"), *args]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "could not be loaded" not in err
 
 
 @pytest.fixture(scope="module")
