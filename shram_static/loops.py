@@ -92,23 +92,25 @@ def generate(dec, input_ids: torch.Tensor, attention_mask: torch.Tensor | None =
 def _plain(dec, ids, live, max_new_tokens: int, sample: bool, warp, gen, eos, pad, streamer) -> torch.Tensor:
     """`generate` without speculation (arguments validated there): (B, max_new_tokens) tokens."""
     dec.reset()
-    logits = dec.prefill(ids, live, last_only=True)  # (B, V)
-    # WHY numpy for the bookkeeping: each torch op on a (B,) tensor costs microseconds; the
-    # tokens fed back are written into two (B, 1) tensors that share numpy's memory.
+    logits = dec.prefill(ids, live, last_only=True).numpy()  # (B, V) float32
+    # WHY numpy for the bookkeeping, and the logits read through numpy: each torch op costs
+    # microseconds right after a step (a select of the logits alone ~8 us); the tokens fed back
+    # are written into two (B, 1) tensors through numpy views of them made once.
     out = np.full((dec.batch_size, max_new_tokens), pad, dtype=np.int64)
     done = np.zeros(dec.batch_size, dtype=bool)
     feed = torch.zeros(dec.batch_size, 1, dtype=torch.long)  # (B, 1) the tokens fed back
     feed_live = torch.ones(dec.batch_size, 1, dtype=torch.bool)  # (B, 1) rows still running
+    feed_np, feed_live_np = feed.numpy()[:, 0], feed_live.numpy()[:, 0]  # (B,) views
     if streamer is not None:
         streamer.put(ids)
     seen = warp.history(ids, live, dec.config.vocab_size)  # None without penalties
     for t in range(max_new_tokens):
         if sample:
-            nxt = warp.sample(logits, gen, seen).numpy()
+            nxt = warp.sample(torch.from_numpy(logits), gen, seen).numpy()
         elif warp.adjusts:
-            nxt = warp.argmax(logits, seen).numpy()
+            nxt = warp.argmax(torch.from_numpy(logits), seen).numpy()
         else:
-            nxt = logits.numpy().argmax(-1)  # the first of equal maxima, as torch's argmax
+            nxt = logits.argmax(-1)  # the first of equal maxima, as torch's argmax
         if seen is not None:
             seen.add(torch.from_numpy(nxt))
         out[:, t] = np.where(done, pad, nxt)
@@ -118,9 +120,9 @@ def _plain(dec, ids, live, max_new_tokens: int, sample: bool, warp, gen, eos, pa
             done |= nxt == eos
         if t + 1 == max_new_tokens or done.all():
             break
-        feed.numpy()[:, 0] = np.where(done, 0, nxt)
-        feed_live.numpy()[:, 0] = ~done
-        logits = dec.feed(feed, feed_live)[:, 0]
+        feed_np[:] = np.where(done, 0, nxt)
+        np.logical_not(done, out=feed_live_np)
+        logits = dec.feed(feed, feed_live).numpy()[:, 0]  # (B, V): feed's logits are float32 CPU
     if streamer is not None:
         streamer.end()
     return torch.from_numpy(out)

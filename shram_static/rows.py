@@ -1,7 +1,5 @@
 """Per-row bookkeeping around a step, shared by `HostDecoder` and `ShramCache`."""
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -91,10 +89,12 @@ def canonical(t: torch.Tensor) -> torch.Tensor:
 
     WHY: a compiled step guards on its inputs' strides, and a one-row column slice keeps its
     parent's row stride (`.contiguous()` is then a no-op), which made every prefill recompile."""
-    want = tuple(math.prod(t.shape[i + 1:]) for i in range(t.dim()))  # contiguous strides
-    if t.storage_offset() == 0 and t.stride() == want:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+    stride, n = t.stride(), 1
+    for i in range(len(stride) - 1, -1, -1):  # against the contiguous strides, innermost first
+        if stride[i] != n:
+            return t.clone(memory_format=torch.contiguous_format)
+        n *= t.shape[i]
+    return t if t.storage_offset() == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
 def last_live(live: torch.Tensor) -> torch.Tensor:
