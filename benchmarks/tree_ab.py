@@ -45,8 +45,8 @@ def worker(model_name: str, quantize: str = "", options: str = "{}", context: st
     dec.generate(ids[:, :8], max_new_tokens=4)
     print(json.dumps({"warmup_s": time.perf_counter() - t}), flush=True)
     for _ in sys.stdin:
-        # WHY several prefills: one a round ranged 4.5-10.8 ms (the built-in model's 64 tokens) in
-        # one worker, and the same tree on both sides then gave a new/old of 0.58 or 1.30
+        # WHY several prefills: one a round spreads so widely that the same tree on both sides
+        # read as a prefill change (docs/performance.md, "Host cost of the compiled step")
         prefills = []
         for _ in range(PREFILLS):
             dec.reset()

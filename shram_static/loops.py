@@ -94,7 +94,7 @@ def _plain(dec, ids, live, max_new_tokens: int, sample: bool, warp, gen, eos, pa
     dec.reset()
     logits = dec.prefill(ids, live, last_only=True).numpy()  # (B, V) float32
     # WHY numpy for the bookkeeping, and the logits read through numpy: each torch op costs
-    # microseconds right after a step (a select of the logits alone ~8 us); the tokens fed back
+    # microseconds right after a step (docs/performance.md, "Host cost"); the tokens fed back
     # are written into two (B, 1) tensors through numpy views of them made once.
     out = np.full((dec.batch_size, max_new_tokens), pad, dtype=np.int64)
     done = np.zeros(dec.batch_size, dtype=bool)
