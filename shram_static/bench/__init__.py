@@ -1,9 +1,9 @@
-"""The benchmark commands: `bench` (`throughput`), `bench-speculative` (`speculative`), `cli`, `readings`,
-`plot`; `throughput`'s names (`build_model`) are reachable here too, imported on first use."""
+"""The benchmark commands: `bench` (`throughput`), `bench-speculative` (`speculative`), `cli`, `models`,
+`readings`, `plot`; `throughput`'s names (`build_model`) are reachable here too, imported on first use."""
 
 import importlib
 
-_SUBMODULES = ("cli", "plot", "readings", "speculative", "throughput")
+_SUBMODULES = ("cli", "models", "plot", "readings", "speculative", "throughput")
 
 
 def __getattr__(name: str):

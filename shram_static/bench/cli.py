@@ -6,15 +6,18 @@ import json
 
 from ..backends import BACKENDS, SPEC_BACKENDS
 from ..console import positive_int
+from .models import check_models
 from .speculative import PROMPTS
 
 
 def _bench(args) -> int:
+    check_models(args.models)  # before the imports: torch takes seconds
     from .throughput import bench
     return bench(args)
 
 
 def _bench_speculative(args) -> int:
+    check_models([args.model])
     from .speculative import bench_speculative
     return bench_speculative(args)
 

@@ -15,6 +15,7 @@ import torch
 
 from ..backends import EXPORTED, find_backend, float_partner
 from ..console import info
+from .models import check_models
 from .readings import (bandwidth_buffer, bandwidth_spread, cpu_times, decode_read_bytes, measure_bandwidth,
                        peak_rss_mib, steal_fraction)
 
@@ -40,8 +41,8 @@ def build_model(name: str, capacity: int | None = None):
     if name == "builtin":
         from ..default_model import BUILTIN_DIR
         name = BUILTIN_DIR
-    elif not os.path.isdir(name):
-        raise ValueError(f"unknown model {name!r}: use 'bench', 'builtin' or a checkpoint directory")
+    else:
+        check_models([name])
     if capacity is None:
         return ShramForCausalLM.from_pretrained(name)
     cfg = ShramConfig.from_json_file(os.path.join(name, "config.json"))
@@ -300,10 +301,7 @@ def _subprocess(args: list[str]) -> dict:
 
 
 def bench(args) -> int:
-    if bad := [m for m in args.models
-               if m not in ("bench", "builtin") and not os.path.isfile(os.path.join(m, "config.json"))]:
-        raise ValueError(f"unknown models {bad}: use 'bench', 'builtin' or checkpoint directories "
-                         f"(with a config.json)")
+    check_models(args.models)
     if any(b < 1 for b in args.batch_sizes) or args.steps < 1 or args.prefill_chunk < 1:
         raise ValueError("--batch-sizes, --steps and --prefill-chunk must be positive")
     if args.rounds < 1:
