@@ -293,7 +293,8 @@ def _imported_after(code: str) -> set[str]:
 def test_the_cli_answers_help_and_bad_arguments_without_torch(tmp_path):
     """`shram-static --help`, a subcommand's `--help`, an argument error and a checkpoint directory
     that is missing or lacks its weights (a benchmark's model too) never import torch: each command
-    refuses such a path (status 2) before the seconds of importing torch and transformers."""
+    refuses such a path, and `bench` a round count or depth out of range, with status 2 before the
+    seconds of importing torch and transformers."""
     (tmp_path / "text.txt").write_text("some text")
     (tmp_path / "no_weights").mkdir()
     (tmp_path / "no_weights" / "config.json").write_text("{}")
@@ -304,7 +305,9 @@ def test_the_cli_answers_help_and_bad_arguments_without_torch(tmp_path):
                  ["eval", "--text", str(tmp_path / "text.txt"), "--checkpoint", missing],
                  ["serve", "--checkpoint", missing],
                  ["bench", "--models", "builtin", no_weights, "--backends", "eager"],
-                 ["bench-speculative", "--model", missing]]
+                 ["bench-speculative", "--model", missing],
+                 ["bench", "--models", "builtin", "--rounds", "0"],
+                 ["bench", "--models", "builtin", "--capacity", "64", "--depths", "60", "--steps", "8"]]
     mods = _imported_after("import contextlib\nfrom shram_static.cli import main\n"
                            "for argv in (['--help'], ['export', '--help'], ['bench', '--help'], ['serve', '--help'],\n"
                            "             ['generate'], ['bench-speculative', '--speculate', '0']):\n"

@@ -1,9 +1,9 @@
-"""The benchmark commands: `bench` (`throughput`), `bench-speculative` (`speculative`), `cli`, `models`,
+"""The benchmark commands: `bench` (`throughput`), `bench-speculative` (`speculative`), `cli`, `checks`,
 `readings`, `plot`; `throughput`'s names (`build_model`) are reachable here too, imported on first use."""
 
 import importlib
 
-_SUBMODULES = ("cli", "models", "plot", "readings", "speculative", "throughput")
+_SUBMODULES = ("checks", "cli", "plot", "readings", "speculative", "throughput")
 
 
 def __getattr__(name: str):

@@ -6,12 +6,12 @@ import json
 
 from ..backends import BACKENDS, SPEC_BACKENDS
 from ..console import positive_int
-from .models import check_models
+from .checks import check_bench, check_models
 from .speculative import PROMPTS
 
 
 def _bench(args) -> int:
-    check_models(args.models)  # before the imports: torch takes seconds
+    check_bench(args)  # before the imports: torch takes seconds
     from .throughput import bench
     return bench(args)
 

@@ -15,7 +15,7 @@ import torch
 
 from ..backends import EXPORTED, find_backend, float_partner
 from ..console import info
-from .models import check_models
+from .checks import check_bench, check_depths, check_models
 from .readings import (bandwidth_buffer, bandwidth_spread, cpu_times, decode_read_bytes, measure_bandwidth,
                        peak_rss_mib, steal_fraction)
 
@@ -48,13 +48,6 @@ def build_model(name: str, capacity: int | None = None):
     cfg = ShramConfig.from_json_file(os.path.join(name, "config.json"))
     cfg.inference_sequence_length = capacity
     return ShramForCausalLM.from_pretrained(name, config=cfg)
-
-
-def check_depths(depths: list[int] | None, steps: int, capacity: int) -> None:
-    """ValueError unless each of `depths` (None: the defaults) leaves room for `steps` steps in `capacity`."""
-    if depths and max(depths) + steps >= capacity:
-        raise ValueError(f"--depths must leave room for {steps} decode steps within the capacity {capacity}: "
-                         f"at most {capacity - steps - 1}, got {max(depths)}")
 
 
 def contexts(capacity: int, steps: int) -> list[int]:
@@ -301,13 +294,7 @@ def _subprocess(args: list[str]) -> dict:
 
 
 def bench(args) -> int:
-    check_models(args.models)
-    if any(b < 1 for b in args.batch_sizes) or args.steps < 1 or args.prefill_chunk < 1:
-        raise ValueError("--batch-sizes, --steps and --prefill-chunk must be positive")
-    if args.rounds < 1:
-        raise ValueError("--rounds must be positive")
-    if args.capacity:  # before any worker starts; a model's own capacity is checked in its worker
-        check_depths(args.depths, args.steps, args.capacity)
+    check_bench(args)  # before any worker starts
     jobs = [(m, be, b) for m in args.models for b in args.batch_sizes for be in args.backends]
     x = bandwidth_buffer()  # 1 GiB, held for the bandwidth readings between rounds
     bandwidth = lambda: measure_bandwidth(x)  # noqa: E731
