@@ -150,30 +150,36 @@ export class ShramModel {
         onProgress?.({ file: f, loaded: sizes[role(f)] ?? 0, total: sizes[role(f)] ?? 0 });
       }
     }
-    const model = new ShramModel(ort, manifest, tokenizer, sessions.decode, sessions.prefill ?? null);
-    // where each state's written rows lie in a graph's outputs (`row_writes_graph`'s layout)
-    const width = Object.fromEntries(manifest.state.map(({ name, dims }) => [name, dims.slice(1).reduce((a, b) => a * b, 1)]));
-    const lay = (r) => manifest.writes[r].map((w) => ({ ...w, past: `past.${w.state}`, width: width[w.state] }));
-    model.writesOf = new Map([[sessions.decode, lay("decode_rows")]]);
-    if (sessions.prefill) model.writesOf.set(sessions.prefill, lay("prefill_rows"));
-    model.threads = used;
-    model.executionProvider = web ? executionProviders[0] : "cpu";
-    model.files = Object.values(roles).filter(Boolean).concat(files.data);
-    return model;
+    return new ShramModel({ ort, manifest, tokenizer, sessions, threads: used,
+                            executionProvider: web ? executionProviders[0] : "cpu",
+                            files: Object.values(roles).filter(Boolean).concat(files.data) });
   }
 
-  constructor(ort, manifest, tokenizer, decode, prefill) {
+  /**
+   * What `load` made of a site (use `load`).
+   *
+   * @param {object} parts {ort, manifest, tokenizer, sessions: {decode, prefill?}, threads,
+   *   executionProvider, files}: the sessions of the site's row-writes graphs, and the files they read.
+   */
+  constructor({ ort, manifest, tokenizer, sessions, threads, executionProvider, files }) {
     this.ort = ort;
     this.manifest = manifest;
     this.tokenizer = tokenizer;
-    this.decodeSession = decode;
-    this.prefillSession = prefill;
+    this.threads = threads;
+    this.executionProvider = executionProvider;
+    this.files = files;
     this.capacity = manifest.capacity;
-    this.prefillChunk = prefill ? manifest.prefill_chunk : 1;
+    this.prefillChunk = sessions.prefill ? manifest.prefill_chunk : 1;
     this.vocabSize = manifest.vocab_size;
     this.quantize = manifest.quantize ?? null;
     this.busy = false;
-    this.writesOf = null;  // set by load: session -> where its outputs hold each state's rows (see #step)
+    // each graph: its session, and where its outputs hold each state's written rows
+    // (`row_writes_graph`'s layout, applied in #step)
+    const width = Object.fromEntries(manifest.state.map(({ name, dims }) => [name, dims.slice(1).reduce((a, b) => a * b, 1)]));
+    const graph = (sess, role) => ({
+      sess, writes: manifest.writes[role].map((w) => ({ ...w, past: `past.${w.state}`, width: width[w.state] })) });
+    this.decodeGraph = graph(sessions.decode, "decode_rows");
+    this.promptGraph = sessions.prefill ? graph(sessions.prefill, "prefill_rows") : this.decodeGraph;
   }
 
   /**
@@ -223,7 +229,7 @@ export class ShramModel {
   }
 
   /** One step: tokens (one chunk) at `pos`, padded with dead tokens; returns last logits. */
-  async #step(sess, chunk, tokens, pos, state) {
+  async #step({ sess, writes }, chunk, tokens, pos, state) {
     const ids = new BigInt64Array(chunk), live = new Uint8Array(chunk);
     tokens.forEach((t, i) => { ids[i] = BigInt(t); live[i] = 1; });
     const T = this.ort.Tensor;
@@ -237,7 +243,7 @@ export class ShramModel {
     // wins, as in the graph)
     const out = await sess.run(feeds);
     const index = out["write.index"].data;
-    for (const { past, at, n, rows, from, width: w } of this.writesOf.get(sess)) {
+    for (const { past, at, n, rows, from, width: w } of writes) {
       const src = out[rows].data, dst = state[past].data;
       for (let i = 0; i < n; i++) dst.set(src.subarray((from + i) * w, (from + i + 1) * w), Number(index[at + i]) * w);
     }
@@ -282,10 +288,10 @@ export class ShramModel {
       const random = seededRandom(seed ?? Math.floor(Math.random() * 2 ** 32));
       const pick = (lg) => (greedy ? argmax(lg) : sample(lg, { temperature, topK, topP }, random));
       const state = this.#zeroState();
-      const C = this.prefillChunk, promptSession = this.prefillSession ?? this.decodeSession;
+      const C = this.prefillChunk;
       let logits = null;
       for (let i = 0; i < ids.length; i += C) {
-        logits = await this.#step(promptSession, C, ids.slice(i, i + C), i, state);
+        logits = await this.#step(this.promptGraph, C, ids.slice(i, i + C), i, state);
       }
       const out = [], dec = this.tokenizer.decoder(), eos = eosTokenId;
       let text = "", ttft = 0, tDecode = 0, stopped = "length", yielded = performance.now();
@@ -301,7 +307,7 @@ export class ShramModel {
         if (t + 1 === maxNewTokens) break;
         // a step's promise resolves as a microtask: a page would show nothing until the end
         if (performance.now() - yielded > 40) { await macrotask(); yielded = performance.now(); }
-        logits = await this.#step(this.decodeSession, 1, [id], ids.length + t, state);
+        logits = await this.#step(this.decodeGraph, 1, [id], ids.length + t, state);
       }
       const rest = dec.end();
       if (rest) { text += rest; onToken?.({ id: null, text: rest, index: out.length }); }
