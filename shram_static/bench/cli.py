@@ -79,6 +79,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
     p.add_argument("--out-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.worker is None:
+        check_bench(args)  # as `_bench`: before the imports
     from . import throughput
     if args.worker == "export":
         print(json.dumps(throughput.export_one(args.model, args.backend, args.batch_size, args.prefill_chunk,

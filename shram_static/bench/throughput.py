@@ -15,7 +15,7 @@ import torch
 
 from ..backends import EXPORTED, find_backend, float_partner
 from ..console import info
-from .checks import check_bench, check_depths, check_models
+from .checks import check_depths, check_models
 from .readings import (bandwidth_buffer, bandwidth_spread, cpu_times, decode_read_bytes, measure_bandwidth,
                        peak_rss_mib, steal_fraction)
 
@@ -294,7 +294,15 @@ def _subprocess(args: list[str]) -> dict:
 
 
 def bench(args) -> int:
-    check_bench(args)  # before any worker starts
+    """Runs the `bench` command's measurements and prints them.
+
+    Args:
+        args: its parsed arguments (`cli.add_arguments`), already checked by the caller
+            (`checks.check_bench`: `cli` does so before it imports this module).
+
+    Returns:
+        the exit status, 0.
+    """
     jobs = [(m, be, b) for m in args.models for b in args.batch_sizes for be in args.backends]
     x = bandwidth_buffer()  # 1 GiB, held for the bandwidth readings between rounds
     bandwidth = lambda: measure_bandwidth(x)  # noqa: E731
