@@ -7,16 +7,18 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
-def check_checkpoint_dir(path: str) -> None:
+def check_checkpoint_dir(path: str | None) -> None:
     """Checks that path is a directory holding `config.json` and `model.safetensors`.
 
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory; None (a command's built-in model) passes.
 
     Raises:
         NotADirectoryError: path is a file.
         FileNotFoundError: no such directory, or one without either file.
     """
+    if path is None:
+        return
     if os.path.exists(path) and not os.path.isdir(path):
         raise NotADirectoryError(f"{path!r} is a file; give the checkpoint directory that holds "
                                  f"{CONFIG_FILE} and {WEIGHTS_FILE}")

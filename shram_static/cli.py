@@ -20,8 +20,7 @@ def generate(args) -> int:
     where = args.checkpoint if args.checkpoint is not None else "the built-in model"
     info(f"loading {where} ...")  # before the imports: torch and transformers take seconds
     for d in (args.checkpoint, args.draft):
-        if d is not None:
-            check_checkpoint_dir(d)
+        check_checkpoint_dir(d)
     import torch
 
     from .decoders import make_decoder

@@ -109,8 +109,7 @@ def evaluate(text, checkpoint=None, backend: str = "eager", max_bytes: int | Non
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     data = read_text_bytes(text, max_bytes)
-    if checkpoint is not None:
-        check_checkpoint_dir(checkpoint)  # before the seconds of importing torch
+    check_checkpoint_dir(checkpoint)  # before the seconds of importing torch
     from .default_model import load_model_and_tokenizer
     from .tokenizer import ByteTokenizer
 

@@ -183,6 +183,20 @@ def test_path_is_a_file(ckpt):
     assert "config.json" in msg and "directory" in msg
 
 
+def test_the_commands_checkpoint_check_passes_the_builtin_model(ckpt):
+    """`check_checkpoint_dir` (what every command runs before importing torch) passes None, a
+    command's built-in model, and a whole checkpoint; `from_pretrained` refuses None by its type."""
+    from shram_static.checkpoint_dir import check_checkpoint_dir
+
+    check_checkpoint_dir(None)
+    check_checkpoint_dir(str(ckpt))
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        os.remove(ckpt / "model.safetensors")
+        check_checkpoint_dir(str(ckpt))
+    with pytest.raises(TypeError):
+        ShramForCausalLM.from_pretrained(None)
+
+
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
 def test_unreadable_safetensors(ckpt, damage):
     f = ckpt / "model.safetensors"

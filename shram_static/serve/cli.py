@@ -18,8 +18,7 @@ def serve(args) -> int:
 
     import_server()  # a missing extra is named before the app's imports fail on it
     info(f"loading {args.checkpoint or 'the built-in model'} ({args.backend}) ...")  # torch takes seconds
-    if args.checkpoint is not None:
-        check_checkpoint_dir(args.checkpoint)
+    check_checkpoint_dir(args.checkpoint)
     from .app import create_app
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         info(f"listening on {args.host}: reachable from other machines"
