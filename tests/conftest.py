@@ -1,12 +1,16 @@
 """Test-wide settings, and the order of the test files under pytest-xdist."""
 
 import collections
+import json
+import os
 
 import pytest
 import torch
 
-# A test file's cost under xdist, from its marks: seconds per `heavy` test and per other test.
+# A test file's cost under xdist: its measured seconds (`COSTS`, written by scripts/xdist_costs.py),
+# else a guess from its marks: seconds per `heavy` test and per other test.
 GUESS_HEAVY_S, GUESS_LIGHT_S = 10.0, 0.3
+COSTS = os.path.join(os.path.dirname(__file__), "xdist_costs.json")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -41,13 +45,27 @@ def pytest_collection_modifyitems(config, items):
     it again. Files are handed out in collection order, so the files go longest first (costed by
     their `heavy` and other tests), each keeping its tests' order: the long ones start early and
     the short ones fill in at the end, the longest-processing-time-first rule of scheduling on
-    identical machines. Without xdist the order is the files'."""
+    identical machines. A file's cost is its time in the last measured run (`COSTS`; the marks
+    misjudge a file whose module fixture serves many `heavy` tests, or whose few light tests
+    each run for seconds), else guessed from its marks. Without xdist the order is the files'."""
     if not hasattr(config, "workerinput"):
         return
     cost = collections.Counter()
     for it in items:
         cost[_file_of(it.nodeid)] += GUESS_HEAVY_S if it.get_closest_marker("heavy") else GUESS_LIGHT_S
+    cost.update({f: s for f, s in _measured_costs().items() if f in cost})  # measured over guessed
     items.sort(key=lambda it: -cost[_file_of(it.nodeid)])  # stable: each file's tests stay together, in order
+
+
+def _measured_costs() -> dict[str, float]:
+    """Seconds per test file (node ID path) from `COSTS`; {} where it is missing or unreadable
+    (the order then comes from the marks alone: slower, never wrong)."""
+    try:
+        with open(COSTS, encoding="utf-8") as f:
+            costs = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {k: float(v) for k, v in costs.items() if isinstance(v, (int, float))} if isinstance(costs, dict) else {}
 
 
 @pytest.fixture(autouse=True, scope="session")
