@@ -50,11 +50,16 @@ def pytest_collection_modifyitems(config, items):
     each run for seconds), else guessed from its marks. Without xdist the order is the files'."""
     if not hasattr(config, "workerinput"):
         return
-    cost = collections.Counter()
+    guess = collections.Counter()
     for it in items:
-        cost[_file_of(it.nodeid)] += GUESS_HEAVY_S if it.get_closest_marker("heavy") else GUESS_LIGHT_S
-    cost.update({f: s for f, s in _measured_costs().items() if f in cost})  # measured over guessed
+        guess[_file_of(it.nodeid)] += GUESS_HEAVY_S if it.get_closest_marker("heavy") else GUESS_LIGHT_S
+    cost = file_costs(guess, _measured_costs())
     items.sort(key=lambda it: -cost[_file_of(it.nodeid)])  # stable: each file's tests stay together, in order
+
+
+def file_costs(guess: dict[str, float], measured: dict[str, float]) -> dict[str, float]:
+    """Each file of `guess` at its measured seconds where `measured` has them, else at its guess."""
+    return {f: measured.get(f, g) for f, g in guess.items()}
 
 
 def _measured_costs() -> dict[str, float]:

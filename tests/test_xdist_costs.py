@@ -44,6 +44,14 @@ def test_the_checked_in_costs_name_test_files_that_exist():
     assert conftest._measured_costs() == costs
 
 
+def test_measured_costs_replace_the_guesses():
+    """A measured file is ordered by its seconds alone (not its guess plus them); a file
+    without a measurement keeps its guess; a measured file no longer collected is left out."""
+    got = conftest.file_costs({"tests/test_a.py": 150.0, "tests/test_b.py": 0.9},
+                              {"tests/test_a.py": 70.0, "tests/test_gone.py": 5.0})
+    assert got == {"tests/test_a.py": 70.0, "tests/test_b.py": 0.9}
+
+
 def test_a_missing_costs_file_leaves_the_guesses(tmp_path, monkeypatch):
     """Without a readable costs file the order comes from the marks alone."""
     monkeypatch.setattr(conftest, "COSTS", str(tmp_path / "none.json"))

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker is None:
-        check_bench(args)  # as `_bench`: before the imports
+        return _bench(args)
     from . import throughput
     if args.worker == "export":
         print(json.dumps(throughput.export_one(args.model, args.backend, args.batch_size, args.prefill_chunk,
@@ -90,4 +90,4 @@ def main(argv=None) -> int:
         throughput.serve([args.model, args.backend, args.batch_size, args.prefill_chunk, args.steps, args.out_dir,
                           args.capacity, args.depths])
         return 0
-    return throughput.bench(args)
+    raise AssertionError(f"unknown worker {args.worker!r}")  # argparse's choices refuse it first

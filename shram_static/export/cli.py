@@ -17,7 +17,7 @@ QUANTIZE = {"pte": quantize_modes("pte"), "onnx": quantize_modes("onnx"), "web":
 
 def export_main(args) -> int:
     """Exports the model of `--checkpoint` (built-in model when absent) into `--out`."""
-    check_checkpoint_dir(args.checkpoint or None)  # before the imports (torch takes seconds)
+    check_checkpoint_dir(args.checkpoint)  # before the imports (torch takes seconds)
     from .web import COI_FILE, PAGE_FILES, RUNTIME_FILES, export_web, find_ort_web
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]

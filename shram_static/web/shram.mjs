@@ -85,6 +85,10 @@ function pathOf(base, name) {
 
 /** A SHRAM model's graphs, state and tokenizer; `generate` runs it. Build with `load`. */
 export class ShramModel {
+  // each graph: its session and its `writes` (`row_writes_graph`'s layout, applied in #step)
+  #decodeGraph;
+  #promptGraph;
+
   /**
    * Loads a site written by `shram-static export --format web`.
    *
@@ -173,13 +177,12 @@ export class ShramModel {
     this.vocabSize = manifest.vocab_size;
     this.quantize = manifest.quantize ?? null;
     this.busy = false;
-    // each graph: its session, and where its outputs hold each state's written rows
-    // (`row_writes_graph`'s layout, applied in #step)
+    // where each graph's outputs hold each state's written rows
     const width = Object.fromEntries(manifest.state.map(({ name, dims }) => [name, dims.slice(1).reduce((a, b) => a * b, 1)]));
     const graph = (sess, role) => ({
       sess, writes: manifest.writes[role].map((w) => ({ ...w, past: `past.${w.state}`, width: width[w.state] })) });
-    this.decodeGraph = graph(sessions.decode, "decode_rows");
-    this.promptGraph = sessions.prefill ? graph(sessions.prefill, "prefill_rows") : this.decodeGraph;
+    this.#decodeGraph = graph(sessions.decode, "decode_rows");
+    this.#promptGraph = sessions.prefill ? graph(sessions.prefill, "prefill_rows") : this.#decodeGraph;
   }
 
   /**
@@ -291,7 +294,7 @@ export class ShramModel {
       const C = this.prefillChunk;
       let logits = null;
       for (let i = 0; i < ids.length; i += C) {
-        logits = await this.#step(this.promptGraph, C, ids.slice(i, i + C), i, state);
+        logits = await this.#step(this.#promptGraph, C, ids.slice(i, i + C), i, state);
       }
       const out = [], dec = this.tokenizer.decoder(), eos = eosTokenId;
       let text = "", ttft = 0, tDecode = 0, stopped = "length", yielded = performance.now();
@@ -307,7 +310,7 @@ export class ShramModel {
         if (t + 1 === maxNewTokens) break;
         // a step's promise resolves as a microtask: a page would show nothing until the end
         if (performance.now() - yielded > 40) { await macrotask(); yielded = performance.now(); }
-        logits = await this.#step(this.decodeGraph, 1, [id], ids.length + t, state);
+        logits = await this.#step(this.#decodeGraph, 1, [id], ids.length + t, state);
       }
       const rest = dec.end();
       if (rest) { text += rest; onToken?.({ id: null, text: rest, index: out.length }); }
