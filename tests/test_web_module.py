@@ -138,3 +138,23 @@ def test_dequantized_matmuls_compute_what_matmulnbits_computes(tmp_path, bits, k
     got = ort.InferenceSession(str(tmp_path / "dq.onnx"), so).run(None, {"x": x})[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert np.abs(got - x @ w).max() > 1e-4  # the weights were quantized
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8"])
+def test_web_linears_chain_multiplies_its_weights_in_turn(kind):
+    """`benchmarks/web_linears.py --chain N`: N linears one after another, (k, n) then (n, k),
+    each with weights of its own; onnxruntime's output is x times each weight in turn (the int8
+    graph's within its rounding)."""
+    import numpy as np
+    import onnxruntime as ort
+    from helpers import load_benchmark
+
+    model = load_benchmark("web_linears").linear_model(kind, 8, 24, chain=3)
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    ws = [inits[f"W{i}"] * (inits[f"S{i}"] if kind == "int8" else 1) for i in range(3)]
+    assert [w.shape for w in ws] == [(8, 24), (24, 8), (8, 24)]
+    assert len({w.tobytes() for w in ws}) == 3  # weights of their own
+    x = np.sin(np.arange(8, dtype=np.float32))[None]
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    want = x.astype(np.float64) @ ws[0] @ ws[1] @ ws[2]
+    np.testing.assert_allclose(got, want, rtol=0.05 if kind == "int8" else 1e-5, atol=0.05 * np.abs(want).max())
