@@ -33,8 +33,13 @@ _SPARSE_SHAPES = {4: (4, 2, 1), 6: (6, 3, 2), 8: (8, 4, 2), 12: (12, 6, 4, 3)}
 
 def load_benchmark(name: str):
     """The module of `benchmarks/<name>.py` (a script, not a package), loaded from its file."""
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
+    return load_script(f"benchmarks/{name}.py")
+
+
+def load_script(path: str):
+    """The module of a script of the repository (`path` from its root), loaded from its file."""
+    path = pathlib.Path(__file__).parents[1] / path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

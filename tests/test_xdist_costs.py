@@ -1,20 +1,13 @@
 """The measured test-file costs that order the files across pytest-xdist's workers
 (tests/xdist_costs.json, `scripts/xdist_costs.py`, read by tests/conftest.py)."""
 
-import importlib.util
 import json
 import os
 
 import conftest
+from helpers import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("xdist_costs", os.path.join(ROOT, "scripts", "xdist_costs.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_costs_are_each_files_setup_call_and_teardown_summed():
@@ -30,7 +23,7 @@ def test_costs_are_each_files_setup_call_and_teardown_summed():
         "0.02s call     tests/test_c.py::test_quick",
         "739 passed, 16 warnings in 224.58s (0:03:44)",
     ])
-    assert list(_script().file_costs(report).items()) == [("tests/test_a.py", 13.2), ("tests/test_b.py", 4.2)]
+    assert list(load_script("scripts/xdist_costs.py").file_costs(report).items()) == [("tests/test_a.py", 13.2), ("tests/test_b.py", 4.2)]
 
 
 def test_the_checked_in_costs_name_test_files_that_exist():
