@@ -409,9 +409,8 @@ def test_generate_checks_each_step_once_unless_a_streamer_runs_between_steps(mon
     checks its weights (`decoder._stamps`) once per kind of step and call (`StaticDecoder.steady`).
     With a streamer every step is checked: a weight the streamer changes in place mid-generation
     is what the next step reads (the tokens equal an eager decoder's under the same streamer,
-    and differ from the unchanged model's). (Only the decode step compiles: the prompt's and
-    the verify steps run eager on the same packed modules and are checked the same way, per
-    kind: two cold compiles fewer.)"""
+    and differ from the unchanged model's). Only the decode step compiles: the prompt's and the
+    verify steps run eager on the same packed modules and are checked the same way, per kind."""
     from shram_static import decoder as D
 
     model = compiled_test_model(21)  # the graphs of the tests above
