@@ -53,11 +53,11 @@ def pytest_collection_modifyitems(config, items):
     guess = collections.Counter()
     for it in items:
         guess[_file_of(it.nodeid)] += GUESS_HEAVY_S if it.get_closest_marker("heavy") else GUESS_LIGHT_S
-    cost = file_costs(guess, _measured_costs())
+    cost = merged_costs(guess, _measured_costs())
     items.sort(key=lambda it: -cost[_file_of(it.nodeid)])  # stable: each file's tests stay together, in order
 
 
-def file_costs(guess: dict[str, float], measured: dict[str, float]) -> dict[str, float]:
+def merged_costs(guess: dict[str, float], measured: dict[str, float]) -> dict[str, float]:
     """Each file of `guess` at its measured seconds where `measured` has them, else at its guess."""
     return {f: measured.get(f, g) for f, g in guess.items()}
 

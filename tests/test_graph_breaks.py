@@ -2,7 +2,7 @@
 
 Each property has its own test so a regression names what broke: a graph break, a
 recompile, a failed strict export, a data-dependent-shape op in the exported graph, or a
-state buffer no longer updated in place.
+state buffer not updated in place.
 """
 
 import functools

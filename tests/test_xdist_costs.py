@@ -39,8 +39,8 @@ def test_the_checked_in_costs_name_test_files_that_exist():
 
 def test_measured_costs_replace_the_guesses():
     """A measured file is ordered by its seconds alone (not its guess plus them); a file
-    without a measurement keeps its guess; a measured file no longer collected is left out."""
-    got = conftest.file_costs({"tests/test_a.py": 150.0, "tests/test_b.py": 0.9},
+    without a measurement keeps its guess; a measured file that is not collected is left out."""
+    got = conftest.merged_costs({"tests/test_a.py": 150.0, "tests/test_b.py": 0.9},
                               {"tests/test_a.py": 70.0, "tests/test_gone.py": 5.0})
     assert got == {"tests/test_a.py": 70.0, "tests/test_b.py": 0.9}
 

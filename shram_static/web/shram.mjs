@@ -187,7 +187,7 @@ export class ShramModel {
 
   /**
    * Generates from a dummy prompt (prefill and decode) in rounds of about a second each until a
-   * round is no longer 5% faster than the best before it, or for at most `maxMs`. WHY: V8
+   * round runs less than 5% faster than the best before it, or for at most `maxMs`. WHY: V8
    * compiles WebAssembly with its baseline compiler first and optimizes hot functions as they
    * run, so a page's first few hundred tokens run several times slower; a page calls this while
    * it loads, so a user's first generation runs at full speed.
@@ -210,7 +210,7 @@ export class ShramModel {
         if (r.stopped === "abort") break;
         rate = r.decodeTokensPerSecond;
         onProgress?.({ round: rounds, tokens, tokensPerSecond: rate, ms: performance.now() - t0 });
-        if (rounds >= 3 && rate < best * 1.05) break;  // no longer getting faster
+        if (rounds >= 3 && rate < best * 1.05) break;  // under 5% faster than the best round
         best = Math.max(best, rate);
         n = Math.max(16, Math.min(128, most, Math.round(rate)));  // about a second at this speed
       }
